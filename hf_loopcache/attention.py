@@ -1,0 +1,246 @@
+"""Attention math shared by the native models and the cache engine (the pure-torch reference path).
+
+Two entry points:
+
+- `dense_attention`: causal attention of `q` new tokens over one contiguous key/value tensor whose last `q`
+  positions are the new tokens. Used without a cache, with foreign `transformers` caches, and by cells that keep
+  every position at full precision. Dispatches to SDPA with the cheapest mask that is exact.
+- `segmented_attention`: one softmax over several key/value segments with their own masks, e.g. a sink, a
+  history decoded from codes or borrowed from another cell, a recent window and the new tokens. Used by cells
+  whose positions are not all stored the same way. Computes in fp32 and supports LoopKV's read-time V precision.
+
+Both take `key_valid` (bool `[B, T]`, True for real tokens, None when every position is real) so left-padded
+batches are exact: a padded key is never attended and a padded query attends to itself only (its output is
+never read by a real token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from hf_loopcache.layout import LoopLayout
+
+__all__ = [
+    "AttentionInputs",
+    "LoopAttentionCache",
+    "Segment",
+    "VPrecision",
+    "causal_padding_mask",
+    "dense_attention",
+    "segmented_attention",
+]
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What every attention call of one forward pass shares.
+
+    Args:
+        key_valid (`torch.BoolTensor` of shape `[batch, total_length]`, *optional*): True where the position holds a
+            real token; None when all positions are real. `total_length` covers the cached positions plus the new ones.
+        scaling (`float`): softmax scale, usually `head_dim ** -0.5`.
+    """
+
+    key_valid: torch.Tensor | None
+    scaling: float
+
+
+@runtime_checkable
+class LoopAttentionCache(Protocol):
+    """A cache that computes attention over its own storage (implemented by `hf_loopcache.cache.LoopCache`).
+
+    Native models call `begin_forward` once per forward pass and then `attend` once per cell, instead of
+    `update` + SDPA. This lets a cell read keys and values that are stored compressed, borrowed from another cell,
+    or split across a window without materialising a plain tensor first.
+    """
+
+    is_loop_cache: bool
+
+    def begin_forward(self, layout: LoopLayout, num_loops: int, query_length: int) -> None: ...
+
+    def attend(
+        self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
+    ) -> torch.Tensor: ...
+
+
+def causal_padding_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor | None
+) -> torch.Tensor:
+    """Boolean mask `[B or 1, 1, q, k]`: key `j` is visible to query `i` if it is causal and real, or if it is `i` itself.
+
+    Args:
+        query_positions (`torch.LongTensor` of shape `[q]`): absolute positions of the queries.
+        key_positions (`torch.LongTensor` of shape `[k]`): absolute positions of the keys.
+        key_valid (`torch.BoolTensor` of shape `[B, T]`, *optional*): validity by absolute position.
+    """
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if key_valid is not None:
+        visible = visible & key_valid[:, key_positions][:, None, :]
+        own = key_positions[None, :] == query_positions[:, None]
+        visible = visible | own
+    return visible[:, None] if visible.dim() == 3 else visible[None, None]
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    key_valid: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Causal attention of the last `q` positions of `key`/`value` (the new tokens) over all of them.
+
+    Args:
+        query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens.
+        key (`torch.Tensor` of shape `[B, H_kv, T, D]`): keys of positions `0..T-1`; the new tokens are the last `q`.
+        value (`torch.Tensor` of shape `[B, H_kv, T, D]`): values, same layout.
+        key_valid (`torch.BoolTensor` of shape `[B, >=T]`, *optional*): real-token mask by position.
+        scaling (`float`): softmax scale.
+
+    Returns:
+        `torch.Tensor` of shape `[B, H_q, q, D]`.
+    """
+    q_len, total = query.shape[2], key.shape[2]
+    past = total - q_len
+    if past < 0:
+        raise ValueError(f"`key` holds {total} positions but `query` has {q_len} new tokens")
+    groups = query.shape[1] // key.shape[1]
+    mask: torch.Tensor | None = None
+    is_causal = False
+    if key_valid is None:
+        if q_len > 1 and past == 0:
+            is_causal = True
+        elif q_len > 1:
+            positions = torch.arange(total, device=query.device)
+            mask = causal_padding_mask(positions[past:], positions, None)
+    else:
+        positions = torch.arange(total, device=query.device)
+        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total])
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
+
+
+@dataclass
+class VPrecision:
+    """LoopKV read-time value precision (paper Sec. 3.3).
+
+    A history token is *cold* for a query row when its score is below the running maximum minus `tau * ln 2`; the
+    running maximum is seeded with the largest sink score and updated page by page in position order. Cold tokens
+    read only the high 2-bit plane of their INT4 value code and decode to the bucket midpoint.
+    """
+
+    tau: float = 14.0
+    page_size: int = 32
+
+    @property
+    def margin(self) -> float:
+        return self.tau * math.log(2.0)
+
+
+@dataclass
+class Segment:
+    """One stretch of keys and values for `segmented_attention`.
+
+    Args:
+        keys (`torch.Tensor` of shape `[B, H_kv, L, D]`).
+        values (`torch.Tensor` of shape `[B, H_kv, L, D]`): the values a hot token reads.
+        mask (`torch.BoolTensor` broadcastable to `[B, 1, q, L]`, *optional*): visibility; None = all visible.
+        is_sink (`bool`): its scores seed the V-precision running maximum.
+        cold_delta (`torch.Tensor` of shape `[B, H_kv, L, D]`, *optional*): value of a cold token minus its hot
+            value (INT4 history read with V precision). Only segments with it take part in the cold test.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor | None = None
+    is_sink: bool = False
+    cold_delta: torch.Tensor | None = None
+
+
+def _running_page_max(scores: torch.Tensor, seed: torch.Tensor, page_size: int) -> torch.Tensor:
+    """For each token, max(seed, max score of all pages up to and including the token's page). scores [..., L]."""
+    length = scores.shape[-1]
+    pages = math.ceil(length / page_size)
+    padded = F.pad(scores, (0, pages * page_size - length), value=-math.inf)
+    page_max = padded.unflatten(-1, (pages, page_size)).amax(-1)
+    running = torch.maximum(torch.cummax(page_max, dim=-1).values, seed[..., None])
+    return running.repeat_interleave(page_size, dim=-1)[..., :length]
+
+
+def segmented_attention(
+    query: torch.Tensor,
+    segments: Sequence[Segment],
+    *,
+    scaling: float,
+    v_precision: VPrecision | None = None,
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """One softmax over several key/value segments, in fp32.
+
+    Args:
+        query (`torch.Tensor` of shape `[B, H_q, q, D]`).
+        segments (`Sequence[Segment]`): the key/value stretches; every query must see at least one key.
+        scaling (`float`): softmax scale.
+        v_precision (`VPrecision`, *optional*): apply LoopKV's cold-token rule to segments with `cold_delta`.
+        stats (`dict`, *optional*): if given, `cold` and `history` token-read counts are accumulated into it.
+
+    Returns:
+        `torch.Tensor` of shape `[B, H_q, q, D]` in the dtype of `query`.
+    """
+    b, hq, q_len, d = query.shape
+    hkv = segments[0].keys.shape[1]
+    groups = hq // hkv
+    q32 = query.float().reshape(b, hkv, groups * q_len, d)
+    scores = []
+    for seg in segments:
+        s = torch.matmul(q32, seg.keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*q, L]
+        if seg.mask is not None:
+            m = seg.mask
+            m = m.expand(m.shape[0], 1, q_len, m.shape[-1])  # [B|1, 1, q, L]
+            m = m[:, :, None].expand(m.shape[0], 1, groups, q_len, m.shape[-1]).reshape(m.shape[0], 1, groups * q_len, -1)
+            s = s.masked_fill(~m, -math.inf)
+        scores.append(s)
+    row_max = torch.stack([s.amax(-1) for s in scores], dim=-1).amax(-1)  # [B, Hkv, G*q]
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+
+    seed = None
+    if v_precision is not None:
+        sink_scores = [s for s, seg in zip(scores, segments) if seg.is_sink and s.shape[-1] > 0]
+        seed = (
+            torch.stack([s.amax(-1) for s in sink_scores], -1).amax(-1)
+            if sink_scores
+            else torch.full_like(row_max, -math.inf)
+        )
+
+    denom = torch.zeros_like(row_max)
+    out = torch.zeros(b, hkv, groups * q_len, d, dtype=torch.float32, device=query.device)
+    for s, seg in zip(scores, segments):
+        if s.shape[-1] == 0:
+            continue
+        p = torch.exp(s - row_max[..., None])
+        denom = denom + p.sum(-1)
+        out = out + torch.matmul(p, seg.values.float())
+        if v_precision is not None and seg.cold_delta is not None:
+            running = _running_page_max(s, seed, v_precision.page_size)  # type: ignore[arg-type]
+            cold = (s < running - v_precision.margin) & torch.isfinite(s)
+            out = out + torch.matmul(p * cold, seg.cold_delta.float())
+            if stats is not None:
+                stats["cold"] = stats.get("cold", 0.0) + float(cold.sum())
+                stats["history"] = stats.get("history", 0.0) + float(torch.isfinite(s).sum())
+    out = out / denom[..., None]
+    return out.reshape(b, hq, q_len, d).to(query.dtype)

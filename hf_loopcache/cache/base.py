@@ -1,0 +1,235 @@
+"""`LoopCache`: the one cache engine. A `transformers.Cache` whose layers are a looped model's cells, each stored as a
+`CachePlan` says. `FullLoopCache`, `RIPECache` and `LoopKVCache` are presets of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from hf_loopcache.attention import AttentionInputs, VPrecision
+from hf_loopcache.cache.layers import DenseLayer, LoopLayerBase, WindowedLayer
+from hf_loopcache.cache.plan import CachePlan
+from hf_loopcache.layout import Cell, LoopLayout
+
+__all__ = ["LoopCache", "resolve_layout"]
+
+
+def resolve_layout(model_or_layout: Any, num_loops: int | None = None) -> LoopLayout:
+    """The `LoopLayout` of a native model, a config, or a layout itself (optionally with another loop count)."""
+    if isinstance(model_or_layout, LoopLayout):
+        layout = model_or_layout
+    elif hasattr(model_or_layout, "loop_layout"):
+        layout = model_or_layout.loop_layout
+    elif hasattr(model_or_layout, "model_type"):
+        layout = LoopLayout.from_config(model_or_layout)
+    else:
+        raise TypeError(
+            "expected a native looped model (hf_loopcache OuroForCausalLM / HuginnForCausalLM), its config, or a "
+            f"LoopLayout; got {type(model_or_layout).__name__}"
+        )
+    if num_loops is not None:
+        if isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1:
+            raise ValueError(f"`num_loops` must be a positive int, got {num_loops!r}")
+        layout = layout.with_loops(num_loops)
+    return layout
+
+
+class LoopCache(Cache):
+    """A looped model's key/value cache: one layer per cell, stored by a `CachePlan`.
+
+    Native models (`hf_loopcache.models`) call `attend(slot, ...)`, which reads each cell's storage directly (full
+    precision, codes, or another cell's history). Foreign code can use the plain `update(k, v, slot)` path, which
+    returns every position as the cell reads it. Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn:
+    prelude `0..P-1`, core `P + n_core * step + layer`, coda `-1, -2`).
+
+    Args:
+        model_or_layout: a native looped model, its config, or a `LoopLayout`.
+        plan (`CachePlan`, *optional*): per-cell storage; defaults to full precision everywhere.
+        num_loops (`int`, *optional*): most loops a forward may run (defaults to the plan's, else the model's).
+        max_rollback (`int`, *optional*, defaults to 0): recent positions kept at full precision beyond the window so
+            that `crop` by up to this many positions restores exactly the state sequential decoding would have.
+        v_precision (`VPrecision` or `float`, *optional*): LoopKV read-time value precision (a float is `tau`).
+
+    Example:
+
+    ```python
+    >>> from hf_loopcache import LoopCache, CachePlan, load_fixture
+    >>> model, tok = load_fixture("tiny-ouro")
+    >>> cache = LoopCache(model, CachePlan.ripe(model.loop_layout, window=64))
+    >>> out = model.generate(**tok("The cat", return_tensors="pt"), past_key_values=cache, max_new_tokens=8)
+    >>> cache.layout.cell(5)   # slot 5 of Ouro = loop 0, layer 5
+    Cell(stage='core', loop=0, layer=5)
+    ```
+    """
+
+    is_loop_cache = True
+
+    def __init__(
+        self,
+        model_or_layout: Any,
+        plan: CachePlan | None = None,
+        *,
+        num_loops: int | None = None,
+        max_rollback: int = 0,
+        v_precision: VPrecision | float | None = None,
+    ) -> None:
+        model_layout = resolve_layout(model_or_layout)
+        if plan is None:
+            plan = CachePlan.full(resolve_layout(model_layout, num_loops))
+        elif not plan.layout.same_architecture(model_layout):
+            raise ValueError(
+                f"the plan is for {plan.layout.describe()}, but the model is {model_layout.describe()}"
+            )
+        if num_loops is not None and num_loops != plan.layout.num_loops:
+            raise ValueError(f"`num_loops` ({num_loops}) differs from the plan's loop count ({plan.layout.num_loops})")
+        if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
+            raise ValueError(f"`max_rollback` must be a non-negative int, got {max_rollback!r}")
+        if isinstance(v_precision, (int, float)) and not isinstance(v_precision, bool):
+            v_precision = VPrecision(tau=float(v_precision), page_size=plan.page_size)
+        if v_precision is not None and not isinstance(v_precision, VPrecision):
+            raise TypeError(f"`v_precision` must be a VPrecision, a float tau, or None; got {v_precision!r}")
+        self.plan = plan
+        self.layout = plan.layout
+        self.max_rollback = max_rollback
+        self.v_precision = v_precision
+        self._depth_complete = True
+        layers: list[LoopLayerBase] = [None] * self.layout.num_cells  # type: ignore[list-item]
+        for cell in self.layout.cells():  # sources first: shared cells point at them
+            if plan.option(cell) != "share":
+                layers[self.layout.flat_index(cell)] = self._make_layer(cell, None)
+        for cell in self.layout.cells():
+            if plan.option(cell) == "share":
+                source = layers[self.layout.flat_index(self.layout.source_cell(cell))]
+                layers[self.layout.flat_index(cell)] = self._make_layer(cell, source)
+        super().__init__(layers=layers)
+
+    def _make_layer(self, cell: Cell, source: LoopLayerBase | None) -> LoopLayerBase:
+        option = self.plan.option(cell)
+        if option == "bf16":
+            return DenseLayer()
+        layer = WindowedLayer(
+            option,
+            sink=self.plan.sink,
+            window=self.plan.window,
+            page_size=self.plan.page_size,
+            group_size=self.plan.group_size,
+            rollback=self.max_rollback,
+            source=source,
+        )
+        layer.owner = self
+        return layer
+
+    # ----------------------------------------------------------------------------- addressing
+    def _flat(self, slot: int | torch.Tensor) -> int:
+        if isinstance(slot, torch.Tensor):
+            if slot.numel() != 1:
+                raise ValueError(f"a slot index tensor must hold one value, got shape {tuple(slot.shape)}")
+            slot = int(slot.item())
+        return self.layout.slot_to_flat(slot)
+
+    def _check_states(self, key_states: torch.Tensor) -> None:
+        if key_states.dim() != 4 or key_states.shape[1] != self.layout.num_kv_heads or key_states.shape[3] != self.layout.head_dim:
+            raise ValueError(
+                f"this cache is built for {self.layout.describe()}: keys must be [batch, {self.layout.num_kv_heads}, "
+                f"seq, {self.layout.head_dim}], got {tuple(key_states.shape)}"
+            )
+
+    def layer_for(self, cell: Cell) -> LoopLayerBase:
+        return self.layers[self.layout.flat_index(cell)]  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------------------- model-facing
+    def begin_forward(self, layout: LoopLayout, num_loops: int, query_length: int) -> None:
+        """Called by native models before a forward pass: the cache must fit the model and the loop count."""
+        if not self.layout.same_architecture(layout):
+            raise ValueError(
+                f"this cache was built for {self.layout.describe()}, but the model is {layout.describe()}; "
+                f"build the cache from this model"
+            )
+        if num_loops > self.layout.num_loops:
+            raise ValueError(
+                f"the forward runs {num_loops} loops but this cache holds {self.layout.num_loops}; build it with "
+                f"`num_loops={num_loops}`"
+            )
+        self._depth_complete = num_loops == self.layout.num_loops
+
+    def attend(
+        self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
+    ) -> torch.Tensor:
+        """Attention of the new tokens of cell `slot` over its stored history and themselves; stores the new keys and
+        values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`."""
+        self._check_states(key)
+        return self.layers[self._flat(slot)].attend(query, key, value, inputs, self.v_precision)
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int | torch.Tensor,
+        cache_kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain `Cache.update` for foreign models: `layer_idx` is the model's slot index (int or 0-d tensor)."""
+        self._check_states(key_states)
+        return self.layers[self._flat(layer_idx)].update(key_states, value_states)
+
+    # ----------------------------------------------------------------------------- Cache contract
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if not 0 <= layer_idx < len(self.layers):
+            return 0
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        for layer in self.layers:
+            if layer.is_initialized:
+                return layer._batch  # type: ignore[union-attr]
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` positions (transformers >= 5.16: `tokens_to_remove <= 0`); a positive
+        value is the absolute length to keep (the older convention). Every cell is cut to that length."""
+        length = self.get_seq_length()
+        target = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        target = max(0, min(length, target))
+        for layer in self.layers:
+            layer.truncate(min(layer.get_seq_length(), target))  # type: ignore[union-attr]
+
+    def activate_past_recording(self) -> None:
+        """Nothing to do: every cell keeps what `crop` needs (see `max_rollback` for exactness beyond the window)."""
+
+    # ----------------------------------------------------------------------------- inspection
+    def cell_states(self, cell: Cell | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one cell (a `Cell` or a slot) as it reads them, `[B, H_kv, T, D]`."""
+        layer = self.layers[self._flat(cell)] if isinstance(cell, int) else self.layer_for(cell)
+        return layer.full_states()  # type: ignore[union-attr]
+
+    def nbytes(self) -> int:
+        """Bytes of GPU/CPU memory the cache's tensors occupy (allocated capacity, including growth slack)."""
+        return sum(layer.allocated_bytes() for layer in self.layers)  # type: ignore[union-attr]
+
+    def stored_bytes(self) -> int:
+        """Bytes of the positions currently held (what `CachePlan.expected_stored_bytes` predicts)."""
+        return sum(layer.stored_bytes() for layer in self.layers)  # type: ignore[union-attr]
+
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(stored, read) bytes per history token over all cells (see `CachePlan.bytes_per_token`)."""
+        return self.plan.bytes_per_token()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.layout.describe()}; {self.plan.summary()}; length {self.get_seq_length()})"

@@ -1,0 +1,295 @@
+"""`CachePlan`: a per-cell storage plan over time, as data.
+
+A plan names, for every cell of a `LoopLayout`, how positions that left the full-precision recent window are stored:
+
+| option | history storage                                           | stored / read per history token (16 heads x 128) |
+|--------|-----------------------------------------------------------|-----------------------------------------------|
+| `bf16` | own keys and values at full precision (every position)    | 8 / 8 KiB                                     |
+| `int4` | own KIVI codes, 4 bits (values as two 2-bit planes)       | 2.5 / 2.5 KiB                                 |
+| `int2` | own KIVI codes, 2 bits                                    | 1.5 / 1.5 KiB                                 |
+| `share`| nothing: reads the final loop's cell of the same layer    | 0 / the source's                              |
+
+plus the sink (`sink` first positions) and the recent window (`window` last positions) at full precision, and the
+page size in which positions leave the window. Plans serialise to JSON (`save_pretrained` / `from_pretrained` /
+`push_to_hub`, schema in `docs` of `to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_loopcache.layout import Cell, LoopLayout
+
+__all__ = ["OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan"]
+
+OPTIONS = ("bf16", "int4", "int2", "share")
+PLAN_FILE = "loopcache_plan.json"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A storage option per cell, plus sink, window and page sizes.
+
+    Args:
+        layout (`LoopLayout`): the model's cells; `layout.num_loops` is the loop count the plan is for.
+        options (`Mapping[Cell, str]`): history option of every cell, one of `OPTIONS`. Only core cells of loops
+            before the final one may `share`.
+        sink (`int`, *optional*, defaults to 0): first positions kept at full precision.
+        window (`int`, *optional*, defaults to 0): recent positions every query reads at full precision.
+        page_size (`int`, *optional*, defaults to 1): positions leave the window in pages of this size; for coded
+            cells it is also the token group of the per-channel key codes.
+        group_size (`int`, *optional*, defaults to 32): channel group of the per-token value codes.
+        metadata (`dict`, *optional*): free-form provenance (model id, revision, budgets, predicted damage, profile).
+    """
+
+    layout: LoopLayout
+    options: Mapping[Cell, str]
+    sink: int = 0
+    window: int = 0
+    page_size: int = 1
+    group_size: int = 32
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("sink", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
+        for name in ("page_size", "group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+        cells = set(self.layout.cells())
+        given = set(self.options)
+        if given != cells:
+            missing, extra = sorted(cells - given), sorted(given - cells)
+            raise ValueError(
+                f"`options` must name every cell of the layout exactly once; missing {[str(c) for c in missing][:8]}"
+                f"{'...' if len(missing) > 8 else ''}, unknown {[str(c) for c in extra][:8]}"
+            )
+        final = self.layout.final_loop
+        for cell, option in self.options.items():
+            if option not in OPTIONS:
+                raise ValueError(f"option of cell {cell} must be one of {OPTIONS}, got {option!r}")
+            if option == "share" and (cell.stage != "core" or cell.loop == final):
+                raise ValueError(
+                    f"cell {cell} cannot `share`: only core cells of loops 0..{final - 1} can read the final loop's "
+                    f"cell (loop {final}) of their layer"
+                )
+            if option in ("int4", "int2") and self.layout.head_dim % self.group_size:
+                raise ValueError(
+                    f"`group_size` ({self.group_size}) must divide head_dim ({self.layout.head_dim}) for coded cells"
+                )
+        object.__setattr__(self, "options", {c: self.options[c] for c in self.layout.cells()})
+
+    # ------------------------------------------------------------------------------ presets
+    @classmethod
+    def uniform(cls, layout: LoopLayout, option: str = "bf16", **kwargs: Any) -> CachePlan:
+        """Every cell `option` (core cells of the final loop keep `int4` when `option == "share"`)."""
+        return cls.from_rule(layout, lambda cell: option, **kwargs)
+
+    @classmethod
+    def from_rule(cls, layout: LoopLayout, rule: Any, **kwargs: Any) -> CachePlan:
+        """Build from `rule(cell) -> option`."""
+        return cls(layout, {cell: rule(cell) for cell in layout.cells()}, **kwargs)
+
+    @classmethod
+    def full(cls, layout: LoopLayout) -> CachePlan:
+        """Every cell stores every position at full precision."""
+        return cls.uniform(layout, "bf16", metadata={"preset": "full"})
+
+    @classmethod
+    def ripe(cls, layout: LoopLayout, window: int, sink: int = 0) -> CachePlan:
+        """RIPE(W): core cells of loops < R share the deepest plane outside the last `window` positions."""
+        final = layout.final_loop
+
+        def rule(cell: Cell) -> str:
+            return "share" if cell.stage == "core" and cell.loop < final else "bf16"
+
+        return cls.from_rule(layout, rule, sink=sink, window=window, page_size=1, metadata={"preset": f"ripe-w{window}"})
+
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def is_full(self) -> bool:
+        return all(o == "bf16" for o in self.options.values())
+
+    def option(self, cell: Cell) -> str:
+        return self.options[cell]
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(OPTIONS, 0)
+        for option in self.options.values():
+            out[option] += 1
+        return out
+
+    def coded_bytes_per_token(self, nbits: int) -> int:
+        """Stored (= read) bytes of one history token of one coded cell: codes plus fp16 scales and zeros
+        (keys per channel per page, values per token per channel group); LoopKV Appendix C."""
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        codes = 2 * heads * dim * nbits // 8
+        key_meta = 2 * 2 * heads * dim / self.page_size
+        value_meta = 2 * 2 * heads * (dim // self.group_size)
+        return int(codes + key_meta + value_meta)
+
+    def own_bytes_per_token(self, cell: Cell) -> int:
+        """Stored bytes of one history token of `cell`."""
+        option = self.options[cell]
+        if option == "bf16":
+            return self.layout.bytes_per_cell_token
+        if option == "share":
+            return 0
+        return self.coded_bytes_per_token(4 if option == "int4" else 2)
+
+    def read_bytes_per_token(self, cell: Cell) -> int:
+        """Bytes read for one history token when `cell` attends (a shared cell reads its source)."""
+        if self.options[cell] == "share":
+            return self.own_bytes_per_token(self.layout.source_cell(cell))
+        return self.own_bytes_per_token(cell)
+
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(stored, read) bytes per history token over all cells: LoopKV's "KiB per token" (all loops)."""
+        cells = self.layout.cells()
+        return sum(self.own_bytes_per_token(c) for c in cells), sum(self.read_bytes_per_token(c) for c in cells)
+
+    def keep_boundary(self, length: int, rollback: int = 0) -> int:
+        """First position kept at full precision in the recent window of a windowed cell at `length` positions."""
+        spare = max(0, length - self.sink - self.window - rollback)
+        return self.sink + self.page_size * (spare // self.page_size)
+
+    def expected_stored_bytes(self, length: int, rollback: int = 0) -> int:
+        """Bytes a cache following this plan stores (live, excluding allocator slack) at `length` positions."""
+        b = self.layout.bytes_per_cell_token
+        hist_end = max(self.sink, self.keep_boundary(length, rollback))
+        total = 0
+        for cell, option in self.options.items():
+            if option == "bf16":
+                total += b * length
+                continue
+            full_precision = min(self.sink, length) + max(0, length - hist_end)
+            total += b * full_precision + self.own_bytes_per_token(cell) * max(0, min(hist_end, length) - self.sink)
+        return total
+
+    def summary(self) -> str:
+        stored, read = self.bytes_per_token()
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts().items() if v)
+        return (
+            f"{counts}; sink {self.sink}, window {self.window}, page {self.page_size}; "
+            f"{stored / 1024:.1f} KiB stored / {read / 1024:.1f} KiB read per history token"
+        )
+
+    # ------------------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (schema version 1):
+
+        `{"schema_version": 1, "layout": {LoopLayout fields}, "sink", "window", "page_size", "group_size",
+        "cells": {"loop0.layer0": "int4", "prelude.layer0": "bf16", ...}, "bytes_per_token": {"stored", "read"},
+        "metadata": {...}}`; `bytes_per_token` is derived and only informative.
+        """
+        stored, read = self.bytes_per_token()
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "layout": self.layout.to_dict(),
+            "sink": self.sink,
+            "window": self.window,
+            "page_size": self.page_size,
+            "group_size": self.group_size,
+            "cells": {str(cell): option for cell, option in self.options.items()},
+            "bytes_per_token": {"stored": stored, "read": read},
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CachePlan:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"`schema_version` must be {SCHEMA_VERSION}, got {version!r}")
+        allowed = {"schema_version", "layout", "sink", "window", "page_size", "group_size", "cells", "bytes_per_token", "metadata"}
+        unknown = set(data) - allowed
+        if unknown:
+            raise ValueError(f"unknown plan fields {sorted(unknown)}; allowed: {sorted(allowed)}")
+        layout = LoopLayout.from_dict(dict(data["layout"]))
+        options = {Cell.parse(name): option for name, option in data["cells"].items()}
+        return cls(
+            layout,
+            options,
+            sink=data.get("sink", 0),
+            window=data.get("window", 0),
+            page_size=data.get("page_size", 1),
+            group_size=data.get("group_size", 32),
+            metadata=dict(data.get("metadata", {})),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> CachePlan:
+        return cls.from_dict(json.loads(text))
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write `loopcache_plan.json` into `save_directory` (created if needed); returns the file path."""
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, PLAN_FILE)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo_id: str | os.PathLike, *, revision: str | None = None, **hub_kwargs: Any
+    ) -> CachePlan:
+        """Load from a local folder (or the JSON file itself) or a Hugging Face Hub repository id.
+
+        Hub downloads go through `huggingface_hub.hf_hub_download`; offline, a clear error says so.
+        """
+        path = os.fspath(path_or_repo_id)
+        if os.path.isdir(path):
+            path = os.path.join(path, PLAN_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no {PLAN_FILE} in folder {os.fspath(path_or_repo_id)!r}")
+        elif not os.path.isfile(path):
+            try:
+                from huggingface_hub import hf_hub_download
+            except ImportError as err:  # pragma: no cover - huggingface_hub ships with transformers
+                raise ImportError("loading a plan from the Hub needs `huggingface_hub`") from err
+            try:
+                path = hf_hub_download(path, PLAN_FILE, revision=revision, **hub_kwargs)
+            except Exception as err:
+                raise OSError(
+                    f"could not load {PLAN_FILE} from the Hub repository {os.fspath(path_or_repo_id)!r} "
+                    f"(revision {revision or 'main'}): {type(err).__name__}: {err}. If you are offline, pass a local "
+                    f"folder that holds {PLAN_FILE} (see CachePlan.save_pretrained)."
+                ) from err
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str = "Upload hf_loopcache plan", **hub_kwargs: Any) -> Any:
+        """Upload `loopcache_plan.json` to a Hub repository (created if missing)."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo_id, exist_ok=True, **{k: v for k, v in hub_kwargs.items() if k in ("private", "token", "repo_type")})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = self.save_pretrained(tmp)
+            return api.upload_file(
+                path_or_fileobj=path,
+                path_in_repo=PLAN_FILE,
+                repo_id=repo_id,
+                commit_message=commit_message,
+                **{k: v for k, v in hub_kwargs.items() if k in ("token", "repo_type", "revision")},
+            )
+
+    def with_metadata(self, **metadata: Any) -> CachePlan:
+        return dataclasses.replace(self, metadata={**self.metadata, **metadata})
+
+    @staticmethod
+    def describe_cells(cells: Iterable[Cell]) -> list[str]:
+        return [str(c) for c in cells]

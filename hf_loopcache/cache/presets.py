@@ -1,0 +1,63 @@
+"""Presets over the one engine: the full cache, RIPE and the deepest plane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_loopcache.cache.base import LoopCache, resolve_layout
+from hf_loopcache.cache.plan import CachePlan
+
+__all__ = ["DeepestPlaneCache", "FullLoopCache", "RIPECache"]
+
+
+class FullLoopCache(LoopCache):
+    """Every loop's keys and values at full precision: the BF16 per-loop baseline (RIPE Eq. 3, `M_full`).
+
+    Args:
+        model_or_layout: a native looped model, its config, or a `LoopLayout`.
+        num_loops (`int`, *optional*): most loops a forward may run; defaults to the model's.
+    """
+
+    def __init__(self, model_or_layout: Any, *, num_loops: int | None = None) -> None:
+        super().__init__(model_or_layout, CachePlan.full(resolve_layout(model_or_layout, num_loops)))
+
+
+class RIPECache(LoopCache):
+    """RIPE(W): the deepest plane for every position, all planes for the `window` most recent (RIPE Eq. 9-10).
+
+    Core cells of loops before the last read the final loop's keys and values of their layer for positions older
+    than `window` (and keep only the window themselves); prelude, coda and the final loop store everything. With
+    `window >= gamma`, verifying a block of `gamma + 1` tokens in one pass equals decoding them one at a time
+    (RIPE Proposition 1).
+
+    Args:
+        model_or_layout: a native looped model, its config, or a `LoopLayout`.
+        window (`int`, *optional*, defaults to 64): `W`, recent positions kept at full depth.
+        sink (`int`, *optional*, defaults to 0): first positions kept at full depth.
+        num_loops (`int`, *optional*): loop count (the final loop is the deepest plane); defaults to the model's.
+        max_rollback (`int`, *optional*, defaults to 0): extra positions kept at full depth so `crop` by up to this
+            many stays exact (self-speculative verification uses the block size).
+    """
+
+    def __init__(
+        self,
+        model_or_layout: Any,
+        window: int = 64,
+        *,
+        sink: int = 0,
+        num_loops: int | None = None,
+        max_rollback: int = 0,
+    ) -> None:
+        plan = CachePlan.ripe(resolve_layout(model_or_layout, num_loops), window=window, sink=sink)
+        super().__init__(model_or_layout, plan, max_rollback=max_rollback)
+
+    @property
+    def window(self) -> int:
+        return self.plan.window
+
+
+class DeepestPlaneCache(RIPECache):
+    """Only the deepest plane for every cached position (RIPE with `window=0`; Huginn's `compress-s4`)."""
+
+    def __init__(self, model_or_layout: Any, *, num_loops: int | None = None, max_rollback: int = 0) -> None:
+        super().__init__(model_or_layout, window=0, num_loops=num_loops, max_rollback=max_rollback)

@@ -1,0 +1,163 @@
+"""Pieces both native looped models share: the norm, positions and masks, cell-addressed attention, generate glue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+
+from hf_loopcache._compat import CACHE_KWARG
+from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention
+from hf_loopcache.layout import LoopLayout
+
+__all__ = ["LoopForward", "LoopGenerationMixin", "RMSNorm", "check_num_loops"]
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32, cast back, then scaled (the math of both official codes; no +1 offset)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def check_num_loops(value: Any, name: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass
+class LoopForward:
+    """Per-forward state: the cache, the masks and positions, and cell-addressed attention.
+
+    `attend(slot, q, k, v)` is the one attention entry point of both models. With a `LoopAttentionCache` the cache
+    computes attention over its own storage; with any other `transformers.Cache` the keys and values go through
+    `update(k, v, flat_index)` and plain causal attention; without a cache, plain causal attention.
+    """
+
+    cache: Any
+    inputs: AttentionInputs
+    layout: LoopLayout
+
+    @classmethod
+    def begin(
+        cls,
+        *,
+        layout: LoopLayout,
+        num_loops: int,
+        cache: Any,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        batch_size: int,
+        query_length: int,
+        device: torch.device,
+        scaling: float,
+    ) -> tuple[LoopForward, torch.Tensor]:
+        """Validate the cache, derive key validity and positions. Returns the state and `position_ids` `[B, q]`."""
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(
+                f"the cache must be a `transformers.Cache` (e.g. `hf_loopcache.FullLoopCache(model)`), "
+                f"got {type(cache).__name__}"
+            )
+        if isinstance(cache, LoopAttentionCache) and getattr(cache, "is_loop_cache", False):
+            cache.begin_forward(layout, num_loops, query_length)
+        elif cache is not None:
+            _check_foreign_cache(cache, layout.with_loops(num_loops))
+        past = cache.get_seq_length() if cache is not None else 0
+
+        key_valid = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"`attention_mask` must be a 2-D padding mask [batch, past + new tokens], got shape "
+                    f"{tuple(attention_mask.shape)}"
+                )
+            if attention_mask.shape[1] < past + query_length:
+                raise ValueError(
+                    f"`attention_mask` has {attention_mask.shape[1]} positions but the cache holds {past} and the "
+                    f"input adds {query_length}; it must cover all of them"
+                )
+            attention_mask = attention_mask[:, : past + query_length].to(device)
+            if not bool(attention_mask.all()):
+                key_valid = attention_mask.bool()
+        if position_ids is None:
+            if key_valid is not None:
+                position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            else:
+                position_ids = torch.arange(past, past + query_length, device=device)[None].expand(batch_size, -1)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(batch_size, -1)
+        return cls(cache, AttentionInputs(key_valid=key_valid, scaling=scaling), layout), position_ids
+
+    def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+        if getattr(self.cache, "is_loop_cache", False):
+            return self.cache.attend(slot, query, key, value, self.inputs)
+        key, value = self.cache.update(key, value, self.layout.slot_to_flat(slot))
+        return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+
+
+def _check_foreign_cache(cache: Cache, layout: LoopLayout) -> None:
+    """A plain `transformers` cache works if it can hold one layer per cell; otherwise fail before any write."""
+    grows = getattr(cache, "layer_class_to_replicate", None) is not None
+    if not grows and len(cache.layers) < layout.num_cells:
+        raise ValueError(
+            f"{type(cache).__name__} has {len(cache.layers)} layers, but this looped model writes {layout.num_cells} "
+            f"cells ({layout.describe()}). Pass `hf_loopcache.FullLoopCache(model)` (or RIPECache / LoopKVCache), or "
+            f"a growable `DynamicCache()` built without `config`."
+        )
+
+
+class LoopGenerationMixin(GenerationMixin):
+    """`generate` glue: when no cache is given, build a `FullLoopCache` sized for the call's loop count.
+
+    transformers' default, `DynamicCache(config=...)`, has one layer per *model* layer and cannot hold a looped
+    model's cells; it is never silently replaced, so generate must not build it for these models.
+    """
+
+    loop_kwarg: str = "num_loops"
+
+    def _prepare_cache_for_generation(
+        self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int
+    ) -> Any:
+        wants_default = (
+            model_kwargs.get(CACHE_KWARG) is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation is None
+        )
+        if wants_default:
+            from hf_loopcache.cache import FullLoopCache  # the model layer only names the default; see DESIGN.md
+
+            loops = model_kwargs.get(self.loop_kwarg)
+            if isinstance(loops, (tuple, list)):
+                loops = sum(int(x) for x in loops)
+            layout = self.loop_layout  # type: ignore[attr-defined]
+            num_loops = max(layout.num_loops, check_num_loops(loops, self.loop_kwarg)) if loops is not None else None
+            model_kwargs[CACHE_KWARG] = FullLoopCache(self, num_loops=num_loops)
+            return None
+        if model_kwargs.get(CACHE_KWARG) is None and generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"`cache_implementation={generation_config.cache_implementation!r}` builds a cache with one layer per "
+                f"model layer, which cannot hold a looped model's cells. Pass a cache instead, e.g. "
+                f"`past_key_values=hf_loopcache.FullLoopCache(model)` or `hf_loopcache.RIPECache(model, window=64)`."
+            )
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )

@@ -1,0 +1,4 @@
+from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
+from hf_loopcache.models.huginn.modeling_huginn import HuginnForCausalLM, HuginnPreTrainedModel
+
+__all__ = ["HuginnConfig", "HuginnForCausalLM", "HuginnPreTrainedModel"]

@@ -1,0 +1,327 @@
+"""Huginn-0125 / Raven, written for transformers 5: the official math and parameter names, exact padding, any context.
+
+Math (official `raven_modeling_minimal.py`): `e = wte(ids) * sqrt(n_embd)`; prelude blocks; a state `s0` (random
+truncated normal scaled like the embeddings, zeros with `init_scale=0`, or `input_states`); each of `num_steps` core
+steps computes `s = adapter([s, e])` and runs the core blocks; then `ln_f`, the coda blocks and `ln_f` again; logits
+in fp32. Blocks are sandwich blocks `x = norm_2(attn(norm_1(x)) + x); x = norm_4(mlp(norm_3(x)) + x)`; attention
+adds a learned bias to queries and keys before an interleaved-pair ("complex-like") RoPE.
+
+Cache slots: prelude `0..P-1`, core step `s` layer `j` at `P + n_core * s + j`, coda `-1, -2, ...` (see `LoopLayout`).
+
+Differences from the official code, all deliberate: padding masks and per-row positions are honoured (the official
+forward ignores `attention_mask`); RoPE is computed for any position (the official buffer stops at `block_size`);
+a cache it does not know is never replaced; `test_time_noise` must be 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, pop_cache_kwarg
+from hf_loopcache.layout import LoopLayout
+from hf_loopcache.models._common import LoopForward, LoopGenerationMixin, RMSNorm, check_num_loops
+from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
+
+__all__ = ["HuginnCausalLMOutput", "HuginnForCausalLM", "HuginnPreTrainedModel"]
+
+
+def _rope_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, q, D/2]
+    return freqs.cos()[:, :, None], freqs.sin()[:, :, None]  # [B, q, 1, D/2]
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of `x` `[B, q, H, D]` in fp32; returns `x`'s dtype."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: HuginnConfig):
+        super().__init__()
+        self.n_head = config.n_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.chunks = [config.n_embd, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
+        self.Wqkv = nn.Linear(config.n_embd, sum(self.chunks), bias=False)
+        if config.qk_bias:
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.n_head, self.head_dim))
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        q, k, v = self.Wqkv(x).split(self.chunks, dim=2)
+        q = q.view(b, q_len, self.n_head, self.head_dim)
+        k = k.view(b, q_len, self.n_kv_heads, self.head_dim)
+        v = v.view(b, q_len, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "qk_bias"):
+            q_bias, k_bias = self.qk_bias.split(1, dim=0)
+            q, k = (q + q_bias).to(q.dtype), (k + k_bias).to(q.dtype)
+        q, k = _rotate_pairs(q, *rope), _rotate_pairs(k, *rope)
+        y = state.attend(slot, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.proj(y.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: HuginnConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.intermediate_size * 2, bias=False)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.nonlin = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(self.nonlin(gate) * up)
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, config: HuginnConfig):
+        super().__init__()
+        self.norm_1 = RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.norm_2 = RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = GatedMLP(config)
+        self.norm_3 = RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.norm_4 = RMSNorm(config.n_embd, eps=config.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
+    ) -> torch.Tensor:
+        x = self.norm_2(self.attn(self.norm_1(x), rope, state, slot) + x)
+        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+
+
+class HuginnPreTrainedModel(PreTrainedModel):
+    config_class = HuginnConfig
+    config: HuginnConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["SandwichBlock"]
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+    _keys_to_ignore_on_load_unexpected = [r"freqs_cis"]
+
+    def _trunc_normal(self, tensor: torch.Tensor, std: float) -> None:
+        init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The official ("takase") init: scaled truncated normals; RMSNorm weights one; qk bias zero."""
+        scales = self.config.init_values
+        if isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, CausalSelfAttention):
+            self._trunc_normal(module.Wqkv.weight, scales["std"])
+            self._trunc_normal(module.proj.weight, scales["out_proj"])
+            if hasattr(module, "qk_bias"):
+                init.zeros_(module.qk_bias)
+        elif isinstance(module, GatedMLP):
+            weight = module.fc.weight
+            if not getattr(weight, "_is_hf_initialized", False):
+                half = weight.shape[0] // 2
+                self._trunc_normal(weight[:half], scales["std"])
+                self._trunc_normal(weight[half:], scales["out_proj"])
+            self._trunc_normal(module.proj.weight, scales["out_proj"])
+        elif isinstance(module, HuginnForCausalLM):
+            self._trunc_normal(module.transformer.wte.weight, scales["embedding"])
+            self._trunc_normal(module.transformer.adapter.weight, scales["std"])
+            if module.transformer.adapter.bias is not None:
+                init.zeros_(module.transformer.adapter.bias)
+            if not self.config.tie_word_embeddings:
+                self._trunc_normal(module.lm_head.weight, scales["std"])
+
+    @property
+    def loop_layout(self) -> LoopLayout:
+        """The model's cache layout at its default loop count (`mean_recurrence`)."""
+        return LoopLayout.from_config(self.config)
+
+
+@dataclass
+class HuginnCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the official extras: `latent_states` (core output after `ln_f`) and `log_ppl`."""
+
+    log_ppl: torch.Tensor | None = None
+    latent_states: torch.Tensor | None = None
+
+
+class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    loop_kwarg = "num_steps"
+
+    def __init__(self, config: HuginnConfig):
+        super().__init__(config)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                prelude=nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_prelude)),
+                adapter=nn.Linear(config.n_embd * 2, config.n_embd, bias=config.bias),
+                core_block=nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block)),
+                coda=nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_coda)),
+                ln_f=RMSNorm(config.n_embd, eps=config.norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte  # type: ignore[return-value]
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    @property
+    def emb_scale(self) -> float:
+        return self.config.init_values["embed_scale"]
+
+    def initialize_state(self, input_embeds: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """The official random state: truncated normal (std `init_values.std * scale`, +-3 std) times the embedding
+        scale, drawn with the same RNG calls as the official code; zeros when `scale == 0`."""
+        x = torch.randn_like(input_embeds)
+        std = self.config.init_values["std"] * scale
+        if std > 0:
+            nn.init.trunc_normal_(x, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            if self.emb_scale != 1:
+                x = x * self.emb_scale
+        else:
+            x.zero_()
+        return x
+
+    def randomized_iteration_sampler(self) -> tuple[int, int]:
+        """Steps without and with gradient. Training: the official Poisson-lognormal sampler; eval: (mean, 0).
+        Draws from the global RNG exactly as the official sampler does (one `torch.rand(1)` first)."""
+        torch.rand((1,))
+        if not self.training:
+            return self.config.mean_recurrence, 0
+        t = max(self.config.mean_recurrence - self.config.mean_backprop_depth, 0)
+        s = self.config.mean_backprop_depth
+        sigma = 0.5
+        mu = math.log(t + s) - sigma**2 / 2
+        rate = torch.zeros((1,)).log_normal_(mean=mu, std=sigma)
+        p = int(torch.poisson(rate.float()).item()) + 1
+        return max(p - s, 0), min(s, p)
+
+    def _resolve_steps(self, num_steps: Any) -> tuple[int, int]:
+        if num_steps is None:
+            return self.randomized_iteration_sampler()
+        if isinstance(num_steps, torch.Tensor) and num_steps.numel() > 1:
+            num_steps = tuple(int(x) for x in num_steps.flatten())
+        if isinstance(num_steps, (tuple, list)):
+            if len(num_steps) != 2:
+                raise ValueError(f"`num_steps` as a pair must be (steps_without_grad, steps_with_grad), got {num_steps!r}")
+            no_grad, with_grad = (int(x) for x in num_steps)
+            if no_grad < 0 or with_grad < 0 or no_grad + with_grad < 1:
+                raise ValueError(f"`num_steps` pair must be non-negative with a positive sum, got {num_steps!r}")
+            return no_grad, with_grad
+        return check_num_loops(num_steps, "num_steps"), 0
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        input_embeds: torch.Tensor | None = None,
+        input_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        num_steps: int | tuple[int, int] | torch.Tensor | None = None,
+        past_key_values: Any = None,
+        output_details: dict[str, bool] | None = None,
+        use_cache: bool = False,
+        cache_position: torch.Tensor | None = None,
+        init_scale: float = 1.0,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> HuginnCausalLMOutput:
+        r"""
+        Args:
+            input_embeds / inputs_embeds (`torch.Tensor`, *optional*): token embeddings instead of `input_ids`
+                (scaled by `sqrt(n_embd)` like the official code does).
+            input_states (`torch.Tensor` of shape `[B, T, n_embd]`, *optional*): the initial core state.
+            labels (`torch.LongTensor`, *optional*): targets aligned with the logits (NOT shifted inside, as in the
+                official code): the loss is `cross_entropy(logits, labels, ignore_index=-100)`.
+            num_steps (`int` or `(int, int)`, *optional*): core steps; a pair is (steps without, with gradient);
+                defaults to `mean_recurrence` in eval mode and to the official random sampler in training mode.
+            init_scale (`float`, *optional*, defaults to 1.0): scale of the random initial state; 0 gives zeros.
+            output_details (`dict`, *optional*): official switches `return_logits`, `return_latents`, `return_head`.
+            past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
+            cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
+        """
+        cache = pop_cache_kwarg(past_key_values, cache, kwargs)
+        details = {"return_logits": True, "return_latents": True, "return_head": False, **(output_details or {})}
+        if details.get("return_stats"):
+            raise ValueError("`output_details['return_stats']` is not supported by hf_loopcache's Huginn model")
+        embeds = input_embeds if input_embeds is not None else inputs_embeds
+        if (input_ids is None) == (embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `input_embeds`/`inputs_embeds`.")
+        if embeds is None:
+            embeds = self.transformer.wte(input_ids)
+        if self.emb_scale != 1:
+            embeds = embeds * self.emb_scale
+        # RNG order of the official code: the initial state is drawn first, then the depth sampler runs
+        x = input_states.clone() if input_states is not None else self.initialize_state(embeds, scale=init_scale)
+        steps_no_grad, steps_with_grad = self._resolve_steps(num_steps)
+        if not use_cache:
+            cache = None
+        b, q_len = embeds.shape[:2]
+        state, position_ids = LoopForward.begin(
+            layout=self.loop_layout,
+            num_loops=steps_no_grad + steps_with_grad,
+            cache=cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            batch_size=b,
+            query_length=q_len,
+            device=embeds.device,
+            scaling=self.config.head_dim**-0.5,
+        )
+        rope = _rope_angles(position_ids, self.config.head_dim, self.config.rope_base)
+        n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
+        for i, block in enumerate(self.transformer.prelude):
+            embeds = block(embeds, rope, state, i)
+
+        for step in range(steps_no_grad + steps_with_grad):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_no_grad):
+                x = self.transformer.adapter(torch.cat([x, embeds.to(x.device)], dim=-1))
+                for j, block in enumerate(self.transformer.core_block):
+                    x = block(x, rope, state, n_pre + n_core * step + j)
+        x = self.transformer.ln_f(x)
+        latent_states = x.clone().detach()
+        for c, block in enumerate(self.transformer.coda):
+            x = block(x, rope, state, -(c + 1))
+        x = self.transformer.ln_f(x)
+
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        head_in = x[:, keep] if isinstance(keep, slice) else x.index_select(1, keep.to(x.device))
+        logits = self.lm_head(head_in).float()
+        loss = log_ppl = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+            log_ppl = loss.clone().detach()
+        return HuginnCausalLMOutput(
+            loss=loss,
+            log_ppl=log_ppl,
+            logits=logits if details["return_logits"] else None,
+            latent_states=latent_states if details["return_latents"] else None,
+            hidden_states=x if details["return_head"] else None,
+            **{OUTPUT_CACHE_FIELD: cache},
+        )

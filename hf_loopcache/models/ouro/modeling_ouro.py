@@ -1,0 +1,344 @@
+"""Ouro, written for transformers 5: the official math and parameter names, a call-time loop count, exact padding.
+
+Math (official `modeling_ouro.py`): token embedding once; then `total_ut_steps` loops over all layers, each layer a
+"sandwich" block `h = x + norm_in2(attn(norm_in(x)))`, `out = h + norm_post2(mlp(norm_post(h)))`; the final norm is
+applied after *every* loop and its output feeds the next loop. An exit gate `sigmoid(early_exit_gate(h_t))` gives
+each loop an exit probability; outputs come from `exit_at_step`, else from the first loop whose cumulative exit
+probability reaches `exit_threshold` (per token), else (with `use_weighted_exit`) the exit-weighted average of all
+loops' logits, else from the last loop. With `labels`, the loss is taken on the exit-weighted expected logits.
+
+Cache slot of loop `r`, layer `l`: `r * num_hidden_layers + l` (see `hf_loopcache.LoopLayout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, pop_cache_kwarg
+from hf_loopcache.layout import LoopLayout
+from hf_loopcache.models._common import LoopForward, LoopGenerationMixin, RMSNorm, check_num_loops
+from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
+
+__all__ = ["OuroForCausalLM", "OuroModel", "OuroModelOutput", "OuroPreTrainedModel"]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class OuroRotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE, rotate-half convention, cos/sin computed in fp32 and cast to the activations' dtype."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: OuroConfig):
+        super().__init__()
+        dim = config.head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponent), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq.float().to(x.device)
+        freqs = position_ids.float()[..., None] * inv  # [B, q, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, config: OuroConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, config: OuroConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        query = self.q_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        key = self.k_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope[0][:, None], rope[1][:, None]
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        out = state.attend(slot, query, key, value)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, config: OuroConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = OuroAttention(config, layer_idx)
+        self.mlp = OuroMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm_2 = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
+    ) -> torch.Tensor:
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OuroPreTrainedModel(PreTrainedModel):
+    config_class = OuroConfig
+    config: OuroConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["OuroDecoderLayer"]
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, OuroRotaryEmbedding):
+            dim = self.config.head_dim
+            exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+            init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta**exponent))
+
+    @property
+    def loop_layout(self) -> LoopLayout:
+        """The model's cache layout at its default loop count (`total_ut_steps`)."""
+        return LoopLayout.from_config(self.config)
+
+
+@dataclass
+class OuroModelOutput(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus, per loop run, the normed hidden state and the exit gate's logit."""
+
+    loop_hidden_states: tuple[torch.Tensor, ...] | None = None
+    exit_gate_logits: tuple[torch.Tensor, ...] | None = None
+
+
+class OuroModel(OuroPreTrainedModel):
+    def __init__(self, config: OuroConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = OuroRotaryEmbedding(config)
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        num_loops: int | None = None,
+        use_early_exit_gate: bool = True,
+        cache: Any = None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> OuroModelOutput:
+        r"""
+        Args:
+            num_loops (`int`, *optional*): loops to run; defaults to `config.total_ut_steps`. A draft runs fewer.
+            past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
+            cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
+        """
+        cache = pop_cache_kwarg(past_key_values, cache, kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        num_loops = check_num_loops(self.config.total_ut_steps if num_loops is None else num_loops, "num_loops")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if not use_cache:
+            cache = None
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, q_len = hidden.shape[:2]
+        state, position_ids = LoopForward.begin(
+            layout=self.loop_layout,
+            num_loops=num_loops,
+            cache=cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            batch_size=b,
+            query_length=q_len,
+            device=hidden.device,
+            scaling=self.config.head_dim**-0.5,
+        )
+        rope = self.rotary_emb(hidden, position_ids)
+        n_layers = self.config.num_hidden_layers
+        loop_hidden: list[torch.Tensor] = []
+        gate_logits: list[torch.Tensor] = []
+        for loop in range(num_loops):
+            for layer_idx, layer in enumerate(self.layers):
+                hidden = layer(hidden, rope, state, loop * n_layers + layer_idx)
+            hidden = self.norm(hidden)
+            loop_hidden.append(hidden)
+            if use_early_exit_gate:
+                gate_logits.append(self.early_exit_gate(hidden))
+        return OuroModelOutput(
+            last_hidden_state=hidden,
+            loop_hidden_states=tuple(loop_hidden),
+            exit_gate_logits=tuple(gate_logits) if use_early_exit_gate else None,
+            **{OUTPUT_CACHE_FIELD: cache},
+        )
+
+
+def exit_distribution(gate_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Per-token exit pdf over loops `[B, T, R]`: `p_t = lambda_t prod_{j<t} (1 - lambda_j)`, the last takes the rest."""
+    remaining = torch.ones_like(gate_logits[0].squeeze(-1))
+    pdf = []
+    for i, logit in enumerate(gate_logits):
+        lam = torch.sigmoid(logit.squeeze(-1))
+        if i < len(gate_logits) - 1:
+            pdf.append(lam * remaining)
+            remaining = remaining * (1.0 - lam)
+        else:
+            pdf.append(remaining)
+    return torch.stack(pdf, dim=2)
+
+
+class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: OuroConfig):
+        super().__init__(config)
+        self.model = OuroModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def get_decoder(self) -> OuroModel:
+        return self.model
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_loops: int | None = None,
+        use_early_exit_gate: bool = True,
+        use_weighted_exit: bool | None = False,
+        exit_at_step: int | None = None,
+        exit_threshold: float | None = None,
+        output_hidden_states: bool | None = None,
+        cache: Any = None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        Args:
+            num_loops (`int`, *optional*): loops to run (default `config.total_ut_steps`); only these loops' cells
+                are written. Drafts of self-speculative decoding run fewer loops.
+            exit_at_step (`int`, *optional*): take the outputs of this loop (0-based, `< num_loops`); defaults to
+                `config.early_exit_step`.
+            exit_threshold (`float`, *optional*): per token, take the first loop whose cumulative exit probability
+                reaches it; defaults to `config.early_exit_threshold`. Ignored when `exit_at_step` is set.
+            use_weighted_exit (`bool`, *optional*): without a step or threshold, average the loops' logits by the
+                exit distribution.
+            output_hidden_states (`bool`, *optional*): return the per-loop normed hidden states as `hidden_states`.
+        """
+        cache = pop_cache_kwarg(past_key_values, cache, kwargs)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            num_loops=num_loops,
+            use_early_exit_gate=use_early_exit_gate,
+        )
+        loop_hidden = outputs.loop_hidden_states
+        exit_at_step = exit_at_step if exit_at_step is not None else self.config.early_exit_step
+        exit_threshold = exit_threshold if exit_threshold is not None else self.config.early_exit_threshold
+        if exit_at_step is not None and not -len(loop_hidden) <= exit_at_step < len(loop_hidden):
+            raise ValueError(f"`exit_at_step` must be in [0, {len(loop_hidden) - 1}] for {len(loop_hidden)} loops, got {exit_at_step}")
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+
+        def select(t: torch.Tensor) -> torch.Tensor:
+            return t[:, keep] if isinstance(keep, slice) else t.index_select(1, keep.to(t.device))
+
+        pdf = exit_distribution(outputs.exit_gate_logits) if outputs.exit_gate_logits else None
+
+        def expected_logits() -> torch.Tensor:
+            weights = select(pdf)  # type: ignore[arg-type]
+            total = None
+            for r, h in enumerate(loop_hidden):
+                term = self.lm_head(select(h)) * weights[..., r : r + 1].to(h.dtype)
+                total = term if total is None else total + term
+            return total  # type: ignore[return-value]
+
+        loss = None
+        if labels is not None:
+            logits = expected_logits() if pdf is not None else self.lm_head(select(outputs.last_hidden_state))
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        elif pdf is not None and exit_at_step is not None:
+            logits = self.lm_head(select(loop_hidden[exit_at_step]))
+        elif pdf is not None and exit_threshold is not None:
+            cumulative = torch.cumsum(pdf, dim=2)
+            reached = cumulative >= exit_threshold
+            steps = torch.argmax(reached.float(), dim=2)
+            steps[~reached.any(dim=2)] = pdf.shape[2] - 1
+            stacked = torch.stack(loop_hidden, dim=2)
+            index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
+            logits = self.lm_head(select(torch.gather(stacked, 2, index).squeeze(2)))
+        elif pdf is not None and use_weighted_exit:
+            logits = expected_logits()
+        else:
+            logits = self.lm_head(select(outputs.last_hidden_state))
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=loop_hidden if output_hidden_states else None,
+            **{OUTPUT_CACHE_FIELD: getattr(outputs, OUTPUT_CACHE_FIELD)},
+        )
