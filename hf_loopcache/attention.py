@@ -190,7 +190,7 @@ def segmented_attention(
     v_precision: VPrecision | None = None,
     stats: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """One softmax over several key/value segments, in fp32.
+    """One softmax over several key/value segments, in fp32 (fp64 for fp64 inputs).
 
     Args:
         query (`torch.Tensor` of shape `[B, H_q, q, D]`).
@@ -205,10 +205,11 @@ def segmented_attention(
     b, hq, q_len, d = query.shape
     hkv = segments[0].keys.shape[1]
     groups = hq // hkv
-    q32 = query.float().reshape(b, hkv, groups * q_len, d)
+    acc = torch.promote_types(query.dtype, torch.float32)  # fp32, or fp64 for fp64 models
+    q32 = query.to(acc).reshape(b, hkv, groups * q_len, d)
     scores = []
     for seg in segments:
-        s = torch.matmul(q32, seg.keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*q, L]
+        s = torch.matmul(q32, seg.keys.to(acc).transpose(-1, -2)) * scaling  # [B, Hkv, G*q, L]
         if seg.mask is not None:
             m = seg.mask
             m = m.expand(m.shape[0], 1, q_len, m.shape[-1])  # [B|1, 1, q, L]
@@ -228,17 +229,17 @@ def segmented_attention(
         )
 
     denom = torch.zeros_like(row_max)
-    out = torch.zeros(b, hkv, groups * q_len, d, dtype=torch.float32, device=query.device)
+    out = torch.zeros(b, hkv, groups * q_len, d, dtype=acc, device=query.device)
     for s, seg in zip(scores, segments):
         if s.shape[-1] == 0:
             continue
         p = torch.exp(s - row_max[..., None])
         denom = denom + p.sum(-1)
-        out = out + torch.matmul(p, seg.values.float())
+        out = out + torch.matmul(p, seg.values.to(acc))
         if v_precision is not None and seg.cold_delta is not None:
             running = _running_page_max(s, seed, v_precision.page_size)  # type: ignore[arg-type]
             cold = (s < running - v_precision.margin) & torch.isfinite(s)
-            out = out + torch.matmul(p * cold, seg.cold_delta.float())
+            out = out + torch.matmul(p * cold, seg.cold_delta.to(acc))
             if stats is not None:
                 stats["cold"] = stats.get("cold", 0.0) + float(cold.sum())
                 stats["history"] = stats.get("history", 0.0) + float(torch.isfinite(s).sum())

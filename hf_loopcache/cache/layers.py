@@ -44,12 +44,15 @@ class _SeqBuffer:
     """Keys and values of the contiguous positions `[start, end)`, `[B, H, capacity, D]`, growing at the end and
     dropping at the front with amortised O(1) copying (compaction or growth by at least the live size)."""
 
-    def __init__(self) -> None:
+    def __init__(self, doubling: bool = True) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.lo = 0  # buffer index of position `start`
         self.start = 0
         self.end = 0
+        # windows double (they are small and slide); whole-history buffers grow by 1/8 (at least 256 positions) so a
+        # long cache never holds much more than it needs, at an amortised 8 copies per position
+        self.doubling = doubling
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -73,7 +76,8 @@ class _SeqBuffer:
                 self.k[:, :, :n] = self.k[:, :, self.lo : self.lo + n]
                 self.v[:, :, :n] = self.v[:, :, self.lo : self.lo + n]
             else:
-                new_cap = max(n + q, 2 * n, cap + cap // 2)
+                spare = n if self.doubling else max(n // 8, 256)
+                new_cap = max(n + q, n + spare)
                 new_k = self.k.new_empty((*self.k.shape[:2], new_cap, self.k.shape[3]))
                 new_v = self.v.new_empty((*self.v.shape[:2], new_cap, self.v.shape[3]))
                 new_k[:, :, :n] = self.k[:, :, self.lo : self.lo + n]
@@ -201,7 +205,8 @@ class LoopLayerBase(CacheLayerMixin):
         self, start: int, end: int, with_cold: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Keys, values (and, for INT4 values, cold-minus-hot deltas) of positions `[start, end)` as this cell's history
-        stores them, fp32 `[B, H, end - start, D]`. Positions not yet flushed are represented as a flush would."""
+        stores them, `[B, H, end - start, D]` (stored dtype, or fp32 when decoded from codes). Positions not yet
+        flushed are represented as a flush would."""
         raise NotImplementedError
 
     def represent_limit(self) -> int:
@@ -228,7 +233,7 @@ class DenseLayer(LoopLayerBase):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = _SeqBuffer()
+        self.buf = _SeqBuffer(doubling=False)
 
     @property
     def _batch(self) -> int:
@@ -251,7 +256,7 @@ class DenseLayer(LoopLayerBase):
 
     def represent(self, start, end, with_cold=False):
         k, v = self.buf.view(start, end)
-        return k.float(), v.float(), None
+        return k, v, None
 
     def full_states(self):
         if self.length == 0:
@@ -438,29 +443,41 @@ class WindowedLayer(LoopLayerBase):
         self.qv = qv if self.qv is None else QuantizedValues.cat([self.qv, qv])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Plain path for foreign models: store, then return every position as the next query would read it."""
+        """Plain path for foreign models: every position as the last new token reads it (cached positions by the
+        reading rule, new positions at full precision), then store the new positions."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.length, key_states.shape[2]
+        boundary = max(self.hist_end, min(self.read_boundary(n + q - 1), n, self.represent_limit()))
+        parts_k, parts_v = self._cached_parts(boundary)
+        k = torch.cat([*parts_k, key_states], dim=2)
+        v = torch.cat([*parts_v, value_states], dim=2)
         self._write(key_states, value_states, None)
-        k, v = self.full_states()
         return k, v
 
-    def full_states(self):
-        if self.length == 0:
-            raise ValueError("this cell holds no positions yet")
-        dtype = self.dtype
+    def _cached_parts(self, boundary: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Sink, history up to `boundary` and the recent window from it, in the keys' dtype."""
         parts_k, parts_v = [], []
         if len(self.sink_buf):
             k, v = self.sink_buf.view(0, self.sink_buf.end)
             parts_k.append(k)
             parts_v.append(v)
-        hist_end = max(self.hist_end, min(self.read_boundary(self.length), self.represent_limit()))
-        if hist_end > self.sink:
-            k, v, _ = self.represent(self.sink, hist_end)
-            parts_k.append(k.to(dtype))
-            parts_v.append(v.to(dtype))
-        if hist_end < self.length:
-            k, v = self.recent.view(hist_end, self.length)
+        if boundary > self.sink:
+            k, v, _ = self.represent(self.sink, boundary)
+            parts_k.append(k.to(self.dtype))
+            parts_v.append(v.to(self.dtype))
+        if boundary < self.length:
+            k, v = self.recent.view(boundary, self.length)
             parts_k.append(k)
             parts_v.append(v)
+        return parts_k, parts_v
+
+    def full_states(self):
+        """Every position as the next query (at position `length`) reads it."""
+        if self.length == 0:
+            raise ValueError("this cell holds no positions yet")
+        boundary = max(self.hist_end, min(self.read_boundary(self.length), self.represent_limit()))
+        parts_k, parts_v = self._cached_parts(boundary)
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
     # ---------------------------------------------------------------- attention

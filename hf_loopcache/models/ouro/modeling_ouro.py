@@ -298,47 +298,46 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             num_loops=num_loops,
             use_early_exit_gate=use_early_exit_gate,
         )
-        loop_hidden = outputs.loop_hidden_states
-        exit_at_step = exit_at_step if exit_at_step is not None else self.config.early_exit_step
-        exit_threshold = exit_threshold if exit_threshold is not None else self.config.early_exit_threshold
-        if exit_at_step is not None and not -len(loop_hidden) <= exit_at_step < len(loop_hidden):
-            raise ValueError(f"`exit_at_step` must be in [0, {len(loop_hidden) - 1}] for {len(loop_hidden)} loops, got {exit_at_step}")
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
 
         def select(t: torch.Tensor) -> torch.Tensor:
             return t[:, keep] if isinstance(keep, slice) else t.index_select(1, keep.to(t.device))
 
-        pdf = exit_distribution(outputs.exit_gate_logits) if outputs.exit_gate_logits else None
+        loop_hidden = tuple(select(h) for h in outputs.loop_hidden_states)
+        exit_at_step = exit_at_step if exit_at_step is not None else self.config.early_exit_step
+        exit_threshold = exit_threshold if exit_threshold is not None else self.config.early_exit_threshold
+        if exit_at_step is not None and not -len(loop_hidden) <= exit_at_step < len(loop_hidden):
+            raise ValueError(f"`exit_at_step` must be in [0, {len(loop_hidden) - 1}] for {len(loop_hidden)} loops, got {exit_at_step}")
+        gates = outputs.exit_gate_logits
+        pdf = exit_distribution(tuple(select(g) for g in gates)) if gates else None
 
         def expected_logits() -> torch.Tensor:
-            weights = select(pdf)  # type: ignore[arg-type]
             total = None
             for r, h in enumerate(loop_hidden):
-                term = self.lm_head(select(h)) * weights[..., r : r + 1].to(h.dtype)
+                term = self.lm_head(h) * pdf[..., r : r + 1].to(h.dtype)  # type: ignore[index]
                 total = term if total is None else total + term
             return total  # type: ignore[return-value]
 
         loss = None
         if labels is not None:
-            logits = expected_logits() if pdf is not None else self.lm_head(select(outputs.last_hidden_state))
+            logits = expected_logits() if pdf is not None else self.lm_head(loop_hidden[-1])
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         elif pdf is not None and exit_at_step is not None:
-            logits = self.lm_head(select(loop_hidden[exit_at_step]))
+            logits = self.lm_head(loop_hidden[exit_at_step])
         elif pdf is not None and exit_threshold is not None:
-            cumulative = torch.cumsum(pdf, dim=2)
-            reached = cumulative >= exit_threshold
+            reached = torch.cumsum(pdf, dim=2) >= exit_threshold
             steps = torch.argmax(reached.float(), dim=2)
             steps[~reached.any(dim=2)] = pdf.shape[2] - 1
             stacked = torch.stack(loop_hidden, dim=2)
             index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
-            logits = self.lm_head(select(torch.gather(stacked, 2, index).squeeze(2)))
+            logits = self.lm_head(torch.gather(stacked, 2, index).squeeze(2))
         elif pdf is not None and use_weighted_exit:
             logits = expected_logits()
         else:
-            logits = self.lm_head(select(outputs.last_hidden_state))
+            logits = self.lm_head(loop_hidden[-1])
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            hidden_states=loop_hidden if output_hidden_states else None,
+            hidden_states=outputs.loop_hidden_states if output_hidden_states else None,
             **{OUTPUT_CACHE_FIELD: getattr(outputs, OUTPUT_CACHE_FIELD)},
         )

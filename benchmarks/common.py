@@ -1,0 +1,97 @@
+"""Shared pieces of the benchmarks: environment header, real-size configs, timing, result rows."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import hf_loopcache
+from hf_loopcache import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+
+RESULTS = Path(__file__).parent / "results"
+
+#: real-size shapes (random weights: speed and memory do not depend on the values)
+SHAPES: dict[str, Any] = {
+    "ouro-1.4b": lambda: OuroForCausalLM(
+        OuroConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                   num_attention_heads=16, num_key_value_heads=16, total_ut_steps=4, max_position_embeddings=65536,
+                   rope_theta=1e6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ),
+    "ouro-2.6b": lambda: OuroForCausalLM(
+        OuroConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                   num_attention_heads=16, num_key_value_heads=16, total_ut_steps=4, max_position_embeddings=65536,
+                   rope_theta=1e6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ),
+    "huginn-0125": lambda: HuginnForCausalLM(HuginnConfig(bos_token_id=65504, eos_token_id=65505, pad_token_id=65509)),
+    # small shapes to check the benchmark code itself on a CPU
+    "micro-ouro": lambda: OuroForCausalLM(
+        OuroConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, total_ut_steps=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ),
+    "micro-huginn": lambda: HuginnForCausalLM(
+        HuginnConfig(n_embd=64, n_heads=4, n_layers_in_prelude=1, n_layers_in_recurrent_block=2, n_layers_in_coda=1,
+                     intermediate_size=128, vocab_size=512, mean_recurrence=4, bos_token_id=0, eos_token_id=0,
+                     pad_token_id=0)
+    ),
+}
+
+
+def environment() -> dict[str, Any]:
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_loopcache": hf_loopcache.__version__,
+        "python": platform.python_version(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        env["gpu_name"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def build(shape: str, dtype: torch.dtype, device: str):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SHAPES[shape]()
+    return model.to(dtype).eval()
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.startswith("cuda") else None
+
+
+def timed(fn, device: str) -> tuple[Any, float]:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def write_rows(name: str, rows: list[dict[str, Any]]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=2) + "\n")
+    return path

@@ -1,0 +1,34 @@
+"""One runner for every benchmark: `python -m benchmarks.run <name> [args]` (`--list` shows the registry).
+
+Each entry names the test module that must pass before its numbers mean anything (STYLE D.22).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from benchmarks.common import environment
+
+REGISTRY = {
+    "generate": ("benchmarks.bench_generate", "tests/test_models.py"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("name", nargs="?", choices=sorted(REGISTRY))
+    parser.add_argument("--list", action="store_true")
+    args, rest = parser.parse_known_args()
+    if args.list or args.name is None:
+        for name, (module, test) in REGISTRY.items():
+            print(f"{name:12s} {module}  (gate: {test})")
+        return
+    print("environment:", environment(), flush=True)
+    module, _ = REGISTRY[args.name]
+    importlib.import_module(module).main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
