@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hf_loopcache.cache import CachePlan, DeepestPlaneCache, FullLoopCache, LoopCache, RIPECache
+from hf_loopcache.cache import CachePlan, DeepestPlaneCache, FullLoopCache, LoopCache, LoopKVCache, RIPECache
 from hf_loopcache.layout import Cell, LoopLayout
 from hf_loopcache.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM, register
 
@@ -28,6 +28,7 @@ __all__ = [
     "HuginnConfig",
     "HuginnForCausalLM",
     "LoopCache",
+    "LoopKVCache",
     "LoopLayout",
     "OuroConfig",
     "OuroForCausalLM",

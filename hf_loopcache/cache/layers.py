@@ -485,6 +485,10 @@ class WindowedLayer(LoopLayerBase):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         n, q = self.length, key.shape[2]
+        if n == 0:  # nothing cached: plain causal attention over the new tokens (as every other cell computes it)
+            out = dense_attention(query, key, value, key_valid=inputs.key_valid, scaling=inputs.scaling)
+            self._write(key, value, inputs.key_valid)
+            return out
         device = query.device
         key_valid = inputs.key_valid
         queries = torch.arange(n, n + q, device=device)

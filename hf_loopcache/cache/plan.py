@@ -25,7 +25,7 @@ from typing import Any
 
 from hf_loopcache.layout import Cell, LoopLayout
 
-__all__ = ["OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan"]
+__all__ = ["LOOPKV_PRESETS", "OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan", "loopkv_preset"]
 
 OPTIONS = ("bf16", "int4", "int2", "share")
 PLAN_FILE = "loopcache_plan.json"
@@ -293,3 +293,37 @@ class CachePlan:
     @staticmethod
     def describe_cells(cells: Iterable[Cell]) -> list[str]:
         return [str(c) for c in cells]
+
+
+def loopkv_preset(layout: LoopLayout, name: str, *, sink: int = 32, window: int = 256, page_size: int = 32,
+                  group_size: int = 32) -> CachePlan:
+    """Named LoopKV baselines over one engine (LoopKV Sec. 5):
+
+    - `kivi4` / `kivi2`: every cell INT4 / INT2 (KIVI-style codes, BF16 sink and window).
+    - `kivi4-share`: INT4 everywhere, the loop before the last shares the final loop ("KIVI-4 + loop-3 sharing").
+    - `hand`: the best hand-made per-loop plan of the paper generalised to R loops: INT4 in the first loop, INT2 in
+      the middle loops, sharing in the loop before the last, INT4 in the final loop (prelude/coda INT4).
+    """
+    final = layout.final_loop
+
+    def rule(cell: Cell) -> str:
+        if name in ("kivi4", "kivi2"):
+            return name.replace("kivi", "int")
+        if cell.stage != "core" or cell.loop == final:
+            return "int4"
+        if name == "kivi4-share":
+            return "share" if cell.loop == final - 1 else "int4"
+        if name == "hand":
+            if cell.loop == final - 1 and final >= 1:
+                return "share"
+            return "int4" if cell.loop == 0 else "int2"
+        raise ValueError(f"`name` must be one of {LOOPKV_PRESETS}, got {name!r}")
+
+    if name not in LOOPKV_PRESETS:
+        raise ValueError(f"`name` must be one of {LOOPKV_PRESETS}, got {name!r}")
+    return CachePlan.from_rule(
+        layout, rule, sink=sink, window=window, page_size=page_size, group_size=group_size, metadata={"preset": name}
+    )
+
+
+LOOPKV_PRESETS = ("kivi4", "kivi2", "kivi4-share", "hand")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_loopcache.attention import VPrecision
 from hf_loopcache.cache.base import LoopCache, resolve_layout
-from hf_loopcache.cache.plan import CachePlan
+from hf_loopcache.cache.plan import LOOPKV_PRESETS, CachePlan, loopkv_preset
 
-__all__ = ["DeepestPlaneCache", "FullLoopCache", "RIPECache"]
+__all__ = ["DeepestPlaneCache", "FullLoopCache", "LoopKVCache", "RIPECache"]
 
 
 class FullLoopCache(LoopCache):
@@ -61,3 +62,38 @@ class DeepestPlaneCache(RIPECache):
 
     def __init__(self, model_or_layout: Any, *, num_loops: int | None = None, max_rollback: int = 0) -> None:
         super().__init__(model_or_layout, window=0, num_loops=num_loops, max_rollback=max_rollback)
+
+
+class LoopKVCache(LoopCache):
+    """LoopKV: per-cell INT4 / INT2 / share history with a BF16 sink and window, and read-time V precision.
+
+    Positions leave the window in pages of 32 and are coded KIVI-style (keys per channel over the page, values per
+    token in groups of 32 channels, fp16 scale and zero; INT4 values as two 2-bit planes). A shared cell reads the
+    final loop's codes of its layer. With V precision, a history token whose score is below the running maximum
+    (seeded with the sink's) minus `tau * ln 2` reads only the high plane of its INT4 value (LoopKV Sec. 3.3); the
+    output then moves by at most `1.5 * sum_{cold j} a_j * scale_j` (LoopKV Proposition 1).
+
+    Args:
+        model_or_layout: a native looped model, its config, or a `LoopLayout`.
+        plan (`CachePlan` or `str`, *optional*, defaults to `"kivi4"`): a plan (e.g. from the planner or
+            `CachePlan.from_pretrained`) or a preset name: one of `LOOPKV_PRESETS`.
+        tau (`float`, *optional*, defaults to 14.0): V-precision threshold in bits; None reads every low plane.
+        max_rollback (`int`, *optional*, defaults to 0): see `LoopCache`.
+        num_loops (`int`, *optional*): loop count for a preset plan; defaults to the model's.
+    """
+
+    def __init__(
+        self,
+        model_or_layout: Any,
+        plan: CachePlan | str = "kivi4",
+        *,
+        tau: float | None = 14.0,
+        max_rollback: int = 0,
+        num_loops: int | None = None,
+    ) -> None:
+        if isinstance(plan, str):
+            if plan not in LOOPKV_PRESETS:
+                raise ValueError(f"`plan` must be a CachePlan or one of {LOOPKV_PRESETS}, got {plan!r}")
+            plan = loopkv_preset(resolve_layout(model_or_layout, num_loops), plan)
+        v_precision = None if tau is None else VPrecision(tau=tau, page_size=plan.page_size)
+        super().__init__(model_or_layout, plan, max_rollback=max_rollback, v_precision=v_precision)

@@ -1,0 +1,177 @@
+"""LoopKV on the engine: codes against the codec, error by bit width, V precision and its bound, presets, bytes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_loopcache import CachePlan, Cell, FullLoopCache, LoopKVCache, LoopLayout
+from hf_loopcache.attention import Segment, VPrecision, segmented_attention
+from hf_loopcache.cache.plan import loopkv_preset
+from tests.helpers import call_kwargs, make_model
+from triton_ops.quant import dequantize_values, fake_quantize_keys, fake_quantize_values, quantize_values
+
+OURO_14B = LoopLayout(n_core=24, num_loops=4, num_kv_heads=16, head_dim=128, name="ouro")
+
+
+def _small_plan(layout, name, **kw):
+    return loopkv_preset(layout, name, **{"sink": 4, "window": 8, "page_size": 8, "group_size": 16, **kw})
+
+
+def _model(arch, dtype=torch.float32):
+    return make_model(arch, **({"hidden_size": 64} if arch == "ouro" else {"n_embd": 64})).to(dtype)
+
+
+def _ids(length, seed=0):
+    return torch.randint(3, 60, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_byte_model_matches_loopkv_appendix_c():
+    kivi4 = loopkv_preset(OURO_14B, "kivi4")
+    assert kivi4.coded_bytes_per_token(4) == 2560 and kivi4.coded_bytes_per_token(2) == 1536
+    assert kivi4.bytes_per_token() == (240 * 1024, 240 * 1024)
+    assert loopkv_preset(OURO_14B, "kivi4-share").bytes_per_token() == (180 * 1024, 240 * 1024)
+    assert loopkv_preset(OURO_14B, "kivi2").bytes_per_token() == (144 * 1024, 144 * 1024)
+    assert CachePlan.full(OURO_14B).bytes_per_token() == (768 * 1024, 768 * 1024)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["kivi4", "kivi2"])
+def test_history_holds_the_codec_of_the_exact_keys_and_values(arch, name):
+    model = _model(arch)
+    ids = _ids(45)
+    full, coded = FullLoopCache(model), LoopKVCache(model, _small_plan(model.loop_layout, name), tau=None)
+    model(ids, past_key_values=full, use_cache=True, **call_kwargs(arch))
+    model(ids, past_key_values=coded, use_cache=True, **call_kwargs(arch))
+    nbits = 4 if name == "kivi4" else 2
+    sink, hist_end = 4, 4 + 8 * ((45 - 4 - 8) // 8)  # 36: pages [4, 36) left the window
+    for cell in model.loop_layout.cells():
+        k, v = full.cell_states(cell)
+        kc, vc = coded.cell_states(cell)
+        torch.testing.assert_close(kc[:, :, :sink], k[:, :, :sink], atol=0, rtol=0)  # sink exact
+        torch.testing.assert_close(kc[:, :, hist_end:], k[:, :, hist_end:], atol=0, rtol=0)  # window exact
+        torch.testing.assert_close(kc[:, :, sink:hist_end], fake_quantize_keys(k[:, :, sink:hist_end], nbits, group_size=8))
+        torch.testing.assert_close(vc[:, :, sink:hist_end], fake_quantize_values(v[:, :, sink:hist_end], nbits, group_size=16))
+
+
+@torch.no_grad()
+def test_error_against_the_uncached_model_grows_as_bits_fall(arch):
+    model = _model(arch)
+    ids = _ids(80, seed=1)
+    with torch.no_grad():
+        exact = model(ids, **call_kwargs(arch)).logits[0, 40:]
+    errors = {}
+    for name in ("kivi4", "kivi2"):
+        cache = LoopKVCache(model, _small_plan(model.loop_layout, name), tau=None)
+        model(ids[:, :40], past_key_values=cache, use_cache=True, **call_kwargs(arch))
+        logits = torch.cat([model(ids[:, t : t + 9], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
+                            for t in range(40, 80, 9)], dim=1)[0]
+        errors[name] = (logits - exact).abs().max().item()
+    assert 0 < errors["kivi4"] < errors["kivi2"]
+
+
+@torch.no_grad()
+def test_v_precision_off_equals_infinite_tau(arch):
+    model = _model(arch)
+    ids = _ids(60, seed=2)
+    outs = []
+    for tau in (None, math.inf):
+        cache = LoopKVCache(model, _small_plan(model.loop_layout, "kivi4-share"), tau=tau)
+        model(ids[:, :30], past_key_values=cache, use_cache=True, **call_kwargs(arch))
+        outs.append(model(ids[:, 30:], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0, 4.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_v_precision_error_bound(tau, seed):
+    """LoopKV Proposition 1: |o_vp - o_int4|_inf <= 1.5 sum_{j cold} a_j sigma_j <= 1.5 sigma_max |C| 2^-tau a_max."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, q, d, length, group = 1, 2, 1, 32, 64, 16
+    query = torch.randn(b, h, q, d, generator=g) * 2
+    sink_k, sink_v = torch.randn(b, h, 4, d, generator=g), torch.randn(b, h, 4, d, generator=g)
+    hist_k = torch.randn(b, h, length, d, generator=g) * 2
+    qv = quantize_values(torch.randn(b, h, length, d, generator=g), 4, group_size=group)
+    hot_v = dequantize_values(qv)
+    cold_delta = dequantize_values(qv, hot=torch.zeros(b, h, length, dtype=torch.bool)) - hot_v
+    segments = [Segment(sink_k, sink_v, is_sink=True), Segment(hist_k, hot_v, cold_delta=cold_delta)]
+    vp = VPrecision(tau=tau, page_size=8)
+    out_vp = segmented_attention(query, segments, scaling=d**-0.5, v_precision=vp)
+    out_full = segmented_attention(query, segments, scaling=d**-0.5)
+    # the same cold rule, written out: running page maximum seeded with the sink maximum
+    s_sink = (query @ sink_k.transpose(-1, -2)) * d**-0.5
+    s_hist = (query @ hist_k.transpose(-1, -2)) * d**-0.5
+    page_max = s_hist.unflatten(-1, (length // 8, 8)).amax(-1)
+    running = torch.maximum(page_max.cummax(-1).values, s_sink.amax(-1, keepdim=True)).repeat_interleave(8, -1)
+    cold = s_hist < running - tau * math.log(2)
+    weights = torch.softmax(torch.cat([s_sink, s_hist], -1), -1)[..., 4:]
+    sigma = qv.scale.float().repeat_interleave(group, dim=-1)  # [B, H, T, D] scale of each element's group
+    bound = 1.5 * ((weights * cold)[..., None] * sigma[:, :, None]).sum(-2)  # [B, H, q, D]
+    assert ((out_vp - out_full).abs() <= bound + 1e-6).all()
+    loose = 1.5 * sigma.amax() * cold.sum() * 2 ** (-tau) * weights.amax()
+    assert (out_vp - out_full).abs().max() <= loose + 1e-6
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["kivi4-share", "hand"])
+def test_block_reads_equal_sequential_reads_for_coded_plans(arch, name):
+    """The engine's reading rule makes a block of <= W + 1 tokens read exactly what sequential decoding reads,
+    pages that leave the window inside the block included (fp64)."""
+    model = _model(arch, torch.float64)
+    plan = _small_plan(model.loop_layout, name)
+    ids = _ids(40 + 9, seed=3)
+    seq, blk = LoopKVCache(model, plan), LoopKVCache(model, plan)
+    kw = call_kwargs(arch)
+    model(ids[:, :40], past_key_values=seq, use_cache=True, **kw)
+    model(ids[:, :40], past_key_values=blk, use_cache=True, **kw)
+    one = torch.cat([model(ids[:, t : t + 1], past_key_values=seq, use_cache=True, **kw).logits for t in range(40, 49)], 1)
+    at_once = model(ids[:, 40:49], past_key_values=blk, use_cache=True, **kw).logits
+    torch.testing.assert_close(at_once, one, atol=1e-9, rtol=1e-9)
+    assert seq.stored_bytes() == blk.stored_bytes()
+
+
+@torch.no_grad()
+def test_crop_into_the_coded_history_and_decode_again(arch):
+    """Cropping below the coded history decodes the straddling page back to full precision; decoding on restores the
+    plan's layout (same stored bytes as a cache that never went further)."""
+    model = _model(arch)
+    plan = _small_plan(model.loop_layout, "kivi4")
+    cache, fresh = LoopKVCache(model, plan), LoopKVCache(model, plan)
+    ids = _ids(60, seed=4)
+    kw = call_kwargs(arch)
+    model(ids[:, :50], past_key_values=cache, use_cache=True, **kw)
+    cache.crop(-25)  # length 25, inside the coded history [4, 36)
+    assert cache.get_seq_length() == 25
+    out = model(ids[:, 25:30], past_key_values=cache, use_cache=True, **kw).logits
+    model(ids[:, :30], past_key_values=fresh, use_cache=True, **kw)
+    assert torch.isfinite(out).all() and cache.get_seq_length() == 30
+    assert cache.stored_bytes() == fresh.stored_bytes()
+    assert cache.layer_for(Cell("core", 1, 1)).hist_end == fresh.layer_for(Cell("core", 1, 1)).hist_end == 20
+
+
+@torch.no_grad()
+def test_generate_with_loopkv_presets(arch):
+    model = _model(arch)
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40] * 6])
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for name in ("kivi4", "kivi2", "kivi4-share", "hand"):
+        out = model.generate(ids, attention_mask=mask, past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, name)),
+                             max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+        assert out.shape == (1, ids.shape[1] + 20)
+    beams = model.generate(ids, past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, "hand")), num_beams=2,
+                           max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+    assert beams.shape == (1, ids.shape[1] + 12)
+
+
+def test_loopkv_cache_errors():
+    with pytest.raises(ValueError, match="LOOPKV_PRESETS|one of"):
+        LoopKVCache(OURO_14B, "kivi3")
+    plan = _small_plan(OURO_14B, "kivi4")
+    other = LoopLayout(n_core=24, num_loops=4, num_kv_heads=8, head_dim=128, name="ouro")
+    with pytest.raises(ValueError, match="plan is for"):
+        LoopKVCache(other, plan)
+    with pytest.raises(ValueError, match="share"):
+        CachePlan(OURO_14B, {**plan.options, Cell("core", 3, 0): "share"})
