@@ -33,17 +33,17 @@ def run_one(model, shape: str, cache_name: str, batch: int, context: int, new_to
     }
     extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
     gen = dict(do_sample=False, pad_token_id=0, **extra)
+
+    def generate(tokens: int) -> tuple[torch.Tensor, Any]:
+        cache = CACHES[cache_name](model)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
+        return out, cache
+
     try:
         reset_peak(device)
-        cache = CACHES[cache_name](model)
-        _, t_prefill = timed(lambda: model.generate(ids, past_key_values=cache, max_new_tokens=1, min_new_tokens=1, **gen), device)
-        del cache
+        _, t_prefill = timed(lambda: generate(1), device)
         reset_peak(device)
-        cache = CACHES[cache_name](model)
-        out, t_total = timed(
-            lambda: model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen),
-            device,
-        )
+        (out, cache), t_total = timed(lambda: generate(new_tokens), device)
         decode = t_total - t_prefill
         row.update(
             status="ok",

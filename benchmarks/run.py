@@ -13,6 +13,8 @@ from benchmarks.common import environment
 
 REGISTRY = {
     "generate": ("benchmarks.bench_generate", "tests/test_models.py"),
+    "ripe-windows": ("benchmarks.bench_ripe_windows", "tests/cache/test_engine.py"),
+    "loopkv-planner": ("benchmarks.bench_loopkv_planner", "tests/planner/test_profile_plan.py"),
 }
 
 

@@ -17,7 +17,6 @@ never read by a real token).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -25,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from hf_loopcache.layout import LoopLayout
 
 __all__ = [

@@ -12,14 +12,16 @@ depends only on query and key positions), so the replay is exact and fast. At ev
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from hf_loopcache.cache import CachePlan, LoopCache
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["FidelityReport", "default_block", "kl_per_position", "measure_fidelity", "reference_logits", "replay_logits"]
 

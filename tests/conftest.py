@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-
 _OURS = ("hf_loopcache", "triton_ops")
 
 

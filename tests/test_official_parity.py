@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_loopcache.attention import AttentionInputs, Segment, VPrecision, causal_padding_mask, dense_attention, segmented_attention
+from hf_loopcache.attention import (
+    AttentionInputs,
+    Segment,
+    VPrecision,
+    causal_padding_mask,
+    dense_attention,
+    segmented_attention,
+)
 from triton_ops.quant import (
     QuantizedKeys,
     QuantizedValues,

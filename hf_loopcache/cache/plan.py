@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_loopcache.layout import Cell, LoopLayout
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 __all__ = ["LOOPKV_PRESETS", "OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan", "loopkv_preset"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -12,7 +12,9 @@ from transformers.generation import GenerationMixin
 
 from hf_loopcache._compat import CACHE_KWARG
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention
-from hf_loopcache.layout import LoopLayout
+
+if TYPE_CHECKING:
+    from hf_loopcache.layout import LoopLayout
 
 __all__ = ["LoopForward", "LoopGenerationMixin", "RMSNorm", "check_num_loops"]
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
 from functools import reduce
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.layout import Cell
-from hf_loopcache.planner.knapsack import KnapsackSolution, OptionCost, solve_knapsack
-from hf_loopcache.planner.profile import CellProfile
+from hf_loopcache.planner.knapsack import KnapsackSolution, OptionCost, pareto_frontier, solve_knapsack
 
-__all__ = ["parse_bytes", "parse_damage", "plan_costs", "plan_from_profile", "predicted_damage"]
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from hf_loopcache.planner.profile import CellProfile
+
+__all__ = ["parse_bytes", "parse_damage", "plan_at_bytes", "plan_costs", "plan_from_profile", "predicted_damage"]
 
 _UNITS = {"": 1, "b": 1, "kib": 1024, "kb": 1000, "mib": 1024**2, "mb": 1000**2}
 
@@ -67,8 +70,8 @@ def plan_costs(
 ) -> tuple[dict[str, dict[str, OptionCost]], dict[Cell, str], int]:
     """Knapsack costs of the free cells, the fixed final-loop choice, and the byte unit."""
     layout = profile.layout
-    fixed = {c: final_option for c in layout.core_cells(layout.final_loop)}
-    probe = _base_plan(profile, {c: "bf16" for c in layout.cells()})
+    fixed = dict.fromkeys(layout.core_cells(layout.final_loop), final_option)
+    probe = _base_plan(profile, dict.fromkeys(layout.cells(), "bf16"))
     per_option = {
         "bf16": layout.bytes_per_cell_token,
         "int4": probe.coded_bytes_per_token(4),
@@ -98,7 +101,7 @@ def plan_costs(
 
 def predicted_damage(profile: CellProfile, plan: CachePlan) -> float:
     """The plan's predicted KL: the sum of its cells' profiled damages (LoopKV Proposition 2)."""
-    return sum(profile.options_of(c)[o] if o in profile.options_of(c) else math.nan for c, o in plan.options.items())
+    return sum(profile.options_of(c).get(o, math.nan) for c, o in plan.options.items())
 
 
 def plan_from_profile(
@@ -130,7 +133,7 @@ def plan_from_profile(
         raise ValueError(f"`final_option` must be one of ('bf16', 'int4', 'int2'), got {final_option!r}")
     costs, fixed, unit = plan_costs(profile, options, final_option)
     fixed_damage = sum(profile.options_of(c)[final_option] for c in fixed)
-    fixed_bytes = sum(_base_plan(profile, {**{c: "bf16" for c in profile.layout.cells()}, **fixed}).own_bytes_per_token(c)
+    fixed_bytes = sum(_base_plan(profile, {**dict.fromkeys(profile.layout.cells(), "bf16"), **fixed}).own_bytes_per_token(c)
                       for c in fixed)
     budget = parse_damage(damage_budget, profile.kl_share)
     storage = parse_bytes(storage_budget)
@@ -138,18 +141,57 @@ def plan_from_profile(
     if free_storage is not None and free_storage < 0:
         raise ValueError(f"`storage_budget` ({storage} B) is below what the final loop alone stores ({fixed_bytes} B)")
     solution: KnapsackSolution = solve_knapsack(costs, budget - fixed_damage, free_storage, unit=unit)
+    return _finish(profile, fixed, fixed_damage, solution, options, final_option, {
+        "objective": "minimise read bytes per token", "damage_budget": budget,
+        "damage_budget_in_kl_share": budget / profile.kl_share if profile.kl_share else None,
+        "storage_budget_bytes_per_token": storage, "model_id": model_id, "revision": revision,
+    }, profile_path)
+
+
+def plan_at_bytes(
+    profile: CellProfile,
+    *,
+    storage_budget: int | str,
+    read_budget: int | str,
+    options: Sequence[str] = ("int4", "int2", "share"),
+    final_option: str = "int4",
+    profile_path: str | None = None,
+) -> CachePlan:
+    """The plan of least predicted damage that stores and reads at most the given bytes per token (used to compare
+    the planner with a uniform or hand-made plan at equal bytes)."""
+    costs, fixed, unit = plan_costs(profile, options, final_option)
+    fixed_damage = sum(profile.options_of(c)[final_option] for c in fixed)
+    probe = _base_plan(profile, {**{c: "bf16" for c in profile.layout.cells()}, **fixed})
+    fixed_bytes = sum(probe.own_bytes_per_token(c) for c in fixed)
+    storage, reads = parse_bytes(storage_budget), parse_bytes(read_budget)
+    frontier = pareto_frontier(costs, storage_budget=storage - fixed_bytes, unit=unit)  # type: ignore[operator]
+    fitting = [s for s in frontier if s.read_bytes + fixed_bytes <= reads]  # type: ignore[operator]
+    if not fitting:
+        raise ValueError(f"no plan stores <= {storage} B and reads <= {reads} B per token under this profile")
+    best = min(fitting, key=lambda s: s.damage)
+    return _finish(profile, fixed, fixed_damage, best, options, final_option, {
+        "objective": "minimise predicted damage at given bytes", "storage_budget_bytes_per_token": storage,
+        "read_budget_bytes_per_token": reads,
+    }, profile_path)
+
+
+def _finish(
+    profile: CellProfile,
+    fixed: dict[Cell, str],
+    fixed_damage: float,
+    solution: KnapsackSolution,
+    options: Sequence[str],
+    final_option: str,
+    extra: dict[str, Any],
+    profile_path: str | None,
+) -> CachePlan:
     choice = {**fixed, **{Cell.parse(name): option for name, option in solution.choice.items()}}
     plan = _base_plan(profile, choice)
     stored, read = plan.bytes_per_token()
     predicted = solution.damage + fixed_damage
     metadata: dict[str, Any] = {
         "planner": "loopkv-knapsack",
-        "objective": "minimise read bytes per token",
-        "model_id": model_id,
-        "revision": revision,
-        "damage_budget": budget,
-        "damage_budget_in_kl_share": budget / profile.kl_share if profile.kl_share else None,
-        "storage_budget_bytes_per_token": storage,
+        **extra,
         "final_option": final_option,
         "options": list(options),
         "predicted_damage": predicted,

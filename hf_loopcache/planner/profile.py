@@ -15,15 +15,17 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hf_loopcache.cache import CachePlan, LoopCache
 from hf_loopcache.fidelity import kl_per_position, reference_logits, replay_logits
 from hf_loopcache.layout import Cell, LoopLayout
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 __all__ = ["PROFILE_SCHEMA_VERSION", "CellProfile", "profile_cells"]
 

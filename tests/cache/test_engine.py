@@ -24,7 +24,7 @@ TINY = LoopLayout(n_core=2, num_loops=3, num_kv_heads=2, head_dim=32, n_prelude=
     ],
 )
 def test_plan_rejects_bad_options(options, match):
-    base = {cell: "bf16" for cell in TINY.cells()}
+    base = dict.fromkeys(TINY.cells(), "bf16")
     with pytest.raises(ValueError, match=match):
         CachePlan(TINY, {**base, **options})
 

@@ -10,7 +10,14 @@ import torch
 from hf_loopcache import CachePlan, LoopKVCache
 from hf_loopcache.cli import main as cli_main
 from hf_loopcache.fidelity import measure_fidelity
-from hf_loopcache.planner import CellProfile, parse_bytes, parse_damage, plan_from_profile, predicted_damage, profile_cells
+from hf_loopcache.planner import (
+    CellProfile,
+    parse_bytes,
+    parse_damage,
+    plan_from_profile,
+    predicted_damage,
+    profile_cells,
+)
 from tests.helpers import make_model
 
 STORAGE = dict(sink=4, window=8, page_size=8, group_size=16)
@@ -76,9 +83,7 @@ def test_read_and_memory_optimised_plans_respect_their_budgets(profile):
     mem_opt = plan_from_profile(prof, damage_budget="4x", storage_budget=tight)
     assert mem_opt.bytes_per_token()[0] <= tight
     assert mem_opt.counts()["share"] > 0
-    assert {c: o for c, o in mem_opt.options.items() if c.loop == prof.layout.final_loop and c.stage == "core"} == {
-        c: "int4" for c in prof.layout.core_cells(prof.layout.final_loop)
-    }
+    assert {c: o for c, o in mem_opt.options.items() if c.loop == prof.layout.final_loop and c.stage == "core"} == dict.fromkeys(prof.layout.core_cells(prof.layout.final_loop), "int4")
     with pytest.raises(ValueError, match="damage"):
         plan_from_profile(prof, damage_budget=0.0)
 

@@ -19,11 +19,14 @@ the short version:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "SUPPORTED_NBITS",
