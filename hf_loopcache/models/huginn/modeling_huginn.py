@@ -117,31 +117,44 @@ class HuginnPreTrainedModel(PreTrainedModel):
     def _trunc_normal(self, tensor: torch.Tensor, std: float) -> None:
         init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
+    def _init_role(self, module: nn.Module) -> str | None:
+        """Which official init a leaf module gets, from its name (computed once per model)."""
+        roles = self.__dict__.get("_init_roles")
+        if roles is None:
+            roles = {}
+            for name, sub in self.named_modules():
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf in ("Wqkv", "adapter", "lm_head"):
+                    roles[id(sub)] = "std"
+                elif leaf == "proj":
+                    roles[id(sub)] = "out_proj"
+                elif leaf == "fc":
+                    roles[id(sub)] = "glu"
+                elif leaf == "wte":
+                    roles[id(sub)] = "embedding"
+            self.__dict__["_init_roles"] = roles
+        return roles.get(id(module))
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """The official ("takase") init: scaled truncated normals; RMSNorm weights one; qk bias zero."""
         scales = self.config.init_values
         if isinstance(module, RMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, CausalSelfAttention):
-            self._trunc_normal(module.Wqkv.weight, scales["std"])
-            self._trunc_normal(module.proj.weight, scales["out_proj"])
-            if hasattr(module, "qk_bias"):
-                init.zeros_(module.qk_bias)
-        elif isinstance(module, GatedMLP):
-            weight = module.fc.weight
-            if not getattr(weight, "_is_hf_initialized", False):
-                half = weight.shape[0] // 2
-                self._trunc_normal(weight[:half], scales["std"])
-                self._trunc_normal(weight[half:], scales["out_proj"])
-            self._trunc_normal(module.proj.weight, scales["out_proj"])
-        elif isinstance(module, HuginnForCausalLM):
-            self._trunc_normal(module.transformer.wte.weight, scales["embedding"])
-            self._trunc_normal(module.transformer.adapter.weight, scales["std"])
-            if module.transformer.adapter.bias is not None:
-                init.zeros_(module.transformer.adapter.bias)
-            if not self.config.tie_word_embeddings:
-                self._trunc_normal(module.lm_head.weight, scales["std"])
+        elif isinstance(module, CausalSelfAttention) and hasattr(module, "qk_bias"):
+            init.zeros_(module.qk_bias)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            role = self._init_role(module)
+            weight = module.weight
+            if role == "glu":  # gate half at std, up half at the output-projection std (official `init_glu`)
+                if not getattr(weight, "_is_hf_initialized", False):
+                    half = weight.shape[0] // 2
+                    self._trunc_normal(weight[:half], scales["std"])
+                    self._trunc_normal(weight[half:], scales["out_proj"])
+            elif role is not None:
+                self._trunc_normal(weight, scales[role])
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
 
     @property
     def loop_layout(self) -> LoopLayout:

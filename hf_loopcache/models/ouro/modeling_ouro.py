@@ -85,7 +85,7 @@ class OuroAttention(nn.Module):
         query = self.q_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
         key = self.k_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
         value = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope[0][:, None], rope[1][:, None]
+        cos, sin = rope[0][:, None].to(query.dtype), rope[1][:, None].to(query.dtype)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         out = state.attend(slot, query, key, value)
