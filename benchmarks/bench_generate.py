@@ -41,7 +41,8 @@ def run_one(model, shape: str, cache_name: str, batch: int, context: int, new_to
 
     try:
         reset_peak(device)
-        _, t_prefill = timed(lambda: generate(1), device)
+        prefill_only, t_prefill = timed(lambda: generate(1), device)
+        del prefill_only  # free its cache before the full run
         reset_peak(device)
         (out, cache), t_total = timed(lambda: generate(new_tokens), device)
         decode = t_total - t_prefill

@@ -19,13 +19,16 @@ from typing import Any
 
 import torch
 
+from hf_loopcache._compat import CACHE_KWARG
+from hf_loopcache.fixtures import FIXTURES
+
 __all__ = ["main"]
 
 CACHE_CHOICES = ("full", "ripe", "deepest", "kivi4", "kivi2", "kivi4-share", "hand")
 
 
 def _load_model(name: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    from hf_loopcache.fixtures import FIXTURES, load_fixture
+    from hf_loopcache.fixtures import load_fixture
 
     torch_dtype = getattr(torch, dtype)
     if name in FIXTURES:
@@ -67,12 +70,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model, tokenizer = _load_model(args.model, args.dtype, args.device)
     layout = model.loop_layout
     cache = _make_cache(model, args.cache, args.window)
-    inputs = tokenizer(args.prompt, return_tensors="pt").to(args.device)
+    # the fixtures saw every document after their separator token, so prompts start with it
+    text = (tokenizer.bos_token or "") + args.prompt if args.model in FIXTURES else args.prompt
+    inputs = tokenizer(text, return_tensors="pt").to(args.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            **inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False,
-            pad_token_id=tokenizer.pad_token_id, **_forward_kwargs(model),
+            **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, repetition_penalty=args.repetition_penalty,
+            pad_token_id=tokenizer.pad_token_id, **{CACHE_KWARG: cache}, **_forward_kwargs(model),
         )
     elapsed = time.perf_counter() - start
     tokens = cache.get_seq_length()
@@ -120,7 +125,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _read_documents(path: str | None, tokenizer: Any, num: int, tokens: int, model_name: str) -> tuple[list[torch.Tensor], str]:
     if path is None:
-        from hf_loopcache.fixtures import FIXTURES, heldout_documents
+        from hf_loopcache.fixtures import heldout_documents
 
         if model_name not in FIXTURES:
             raise SystemExit("--documents is required for models other than the fixtures")
@@ -180,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate with a looped-model cache and report its bytes")
     demo.add_argument("--model", default="tiny-ouro")
-    demo.add_argument("--prompt", default="The quick brown fox")
+    demo.add_argument("--prompt", default="And God said")
     demo.add_argument("--max-new-tokens", type=int, default=40)
+    demo.add_argument("--repetition-penalty", type=float, default=1.2)
     demo.add_argument("--cache", choices=CACHE_CHOICES, default="full")
     demo.add_argument("--window", type=int, default=64, help="RIPE window")
     demo.add_argument("--dtype", default="float32")

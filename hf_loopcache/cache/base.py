@@ -210,6 +210,14 @@ class LoopCache(Cache):
         for layer in self.layers:
             layer.truncate(min(layer.get_seq_length(), target))  # type: ignore[union-attr]
 
+    def reserve(self, max_length: int) -> None:
+        """Allocate full-precision whole-history cells for `max_length` positions at their first write, so that
+        decoding never regrows them (regrowing every cell in turn fragments the allocator at long contexts).
+        `generate` calls this with its maximum length; only empty cells are affected."""
+        for layer in self.layers:
+            if isinstance(layer, DenseLayer) and layer.get_seq_length() == 0:
+                layer.buf.reserve = int(max_length)
+
     def activate_past_recording(self) -> None:
         """Nothing to do: every cell keeps what `crop` needs (see `max_rollback` for exactness beyond the window)."""
 

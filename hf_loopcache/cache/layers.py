@@ -60,6 +60,7 @@ class _SeqBuffer:
         # windows double (they are small and slide); whole-history buffers grow by 1/8 (at least 256 positions) so a
         # long cache never holds much more than it needs, at an amortised 8 copies per position
         self.doubling = doubling
+        self.reserve = 0  # capacity to allocate up front (see `LoopCache.reserve`)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -74,8 +75,9 @@ class _SeqBuffer:
         if q == 0:
             return
         if self.k is None or self.v is None:
-            self.k = k.new_empty((*k.shape[:2], q, k.shape[3]))
-            self.v = v.new_empty((*v.shape[:2], q, v.shape[3]))
+            cap = max(q, self.reserve)
+            self.k = k.new_empty((*k.shape[:2], cap, k.shape[3]))
+            self.v = v.new_empty((*v.shape[:2], cap, v.shape[3]))
             self.lo = 0
         elif self.lo + n + q > self.k.shape[2]:
             cap = self.k.shape[2]

@@ -153,7 +153,11 @@ class LoopGenerationMixin(GenerationMixin):
             layout = self.loop_layout  # type: ignore[attr-defined]
             num_loops = max(layout.num_loops, check_num_loops(loops, self.loop_kwarg)) if loops is not None else None
             model_kwargs[CACHE_KWARG] = FullLoopCache(self, num_loops=num_loops)
+            model_kwargs[CACHE_KWARG].reserve(max_cache_length)
             return None
+        user_cache = model_kwargs.get(CACHE_KWARG)
+        if getattr(user_cache, "is_loop_cache", False):
+            user_cache.reserve(max_cache_length)
         if model_kwargs.get(CACHE_KWARG) is None and generation_config.cache_implementation is not None:
             raise ValueError(
                 f"`cache_implementation={generation_config.cache_implementation!r}` builds a cache with one layer per "
