@@ -37,7 +37,7 @@ def _load_model(name: str, dtype: str = "float32", device: str = "cpu") -> tuple
 
     import hf_loopcache  # noqa: F401  (registers the native classes)
 
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device).eval()  # type: ignore[arg-type]
     return model, AutoTokenizer.from_pretrained(name)
 
 

@@ -103,7 +103,8 @@ class LoopCache(Cache):
             if plan.option(cell) == "share":
                 source = layers[self.layout.flat_index(self.layout.source_cell(cell))]
                 layers[self.layout.flat_index(cell)] = self._make_layer(cell, source)
-        super().__init__(layers=layers)
+        super().__init__(layers=list(layers))
+        self.cells: list[LoopLayerBase] = layers  # the same objects as `self.layers`, typed
 
     def _make_layer(self, cell: Cell, source: LoopLayerBase | None) -> LoopLayerBase:
         option = self.plan.option(cell)
@@ -137,7 +138,7 @@ class LoopCache(Cache):
             )
 
     def layer_for(self, cell: Cell) -> LoopLayerBase:
-        return self.layers[self.layout.flat_index(cell)]  # type: ignore[return-value]
+        return self.cells[self.layout.flat_index(cell)]
 
     # ----------------------------------------------------------------------------- model-facing
     def begin_forward(self, layout: LoopLayout, num_loops: int, query_length: int) -> None:
@@ -160,7 +161,7 @@ class LoopCache(Cache):
         """Attention of the new tokens of cell `slot` over its stored history and themselves; stores the new keys and
         values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`."""
         self._check_states(key)
-        return self.layers[self._flat(slot)].attend(query, key, value, inputs, self.v_precision)
+        return self.cells[self._flat(slot)].attend(query, key, value, inputs, self.v_precision)
 
     def update(
         self,
@@ -173,16 +174,16 @@ class LoopCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain `Cache.update` for foreign models: `layer_idx` is the model's slot index (int or 0-d tensor)."""
         self._check_states(key_states)
-        return self.layers[self._flat(layer_idx)].update(key_states, value_states)
+        return self.cells[self._flat(layer_idx)].update(key_states, value_states)
 
     # ----------------------------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if not 0 <= layer_idx < len(self.layers):
+        if not 0 <= layer_idx < len(self.cells):
             return 0
-        return self.layers[layer_idx].get_seq_length()
+        return self.cells[layer_idx].get_seq_length()
 
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[0].get_mask_sizes(query_length)
+        return self.cells[0].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -192,9 +193,9 @@ class LoopCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        for layer in self.layers:
+        for layer in self.cells:
             if layer.is_initialized:
-                return layer._batch  # type: ignore[union-attr]
+                return layer._batch
         return -1
 
     @property
@@ -207,14 +208,14 @@ class LoopCache(Cache):
         length = self.get_seq_length()
         target = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         target = max(0, min(length, target))
-        for layer in self.layers:
-            layer.truncate(min(layer.get_seq_length(), target))  # type: ignore[union-attr]
+        for layer in self.cells:
+            layer.truncate(min(layer.get_seq_length(), target))
 
     def reserve(self, max_length: int) -> None:
         """Allocate full-precision whole-history cells for `max_length` positions at their first write, so that
         decoding never regrows them (regrowing every cell in turn fragments the allocator at long contexts).
         `generate` calls this with its maximum length; only empty cells are affected."""
-        for layer in self.layers:
+        for layer in self.cells:
             if isinstance(layer, DenseLayer) and layer.get_seq_length() == 0:
                 layer.buf.reserve = int(max_length)
 
@@ -224,16 +225,16 @@ class LoopCache(Cache):
     # ----------------------------------------------------------------------------- inspection
     def cell_states(self, cell: Cell | int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one cell (a `Cell` or a slot) as it reads them, `[B, H_kv, T, D]`."""
-        layer = self.layers[self._flat(cell)] if isinstance(cell, int) else self.layer_for(cell)
-        return layer.full_states()  # type: ignore[union-attr]
+        layer = self.cells[self._flat(cell)] if isinstance(cell, int) else self.layer_for(cell)
+        return layer.full_states()
 
     def nbytes(self) -> int:
         """Bytes of GPU/CPU memory the cache's tensors occupy (allocated capacity, including growth slack)."""
-        return sum(layer.allocated_bytes() for layer in self.layers)  # type: ignore[union-attr]
+        return sum(layer.allocated_bytes() for layer in self.cells)
 
     def stored_bytes(self) -> int:
         """Bytes of the positions currently held (what `CachePlan.expected_stored_bytes` predicts)."""
-        return sum(layer.stored_bytes() for layer in self.layers)  # type: ignore[union-attr]
+        return sum(layer.stored_bytes() for layer in self.cells)
 
     def bytes_per_token(self) -> tuple[int, int]:
         """(stored, read) bytes per history token over all cells (see `CachePlan.bytes_per_token`)."""

@@ -19,7 +19,7 @@ represent them, so decoding a block of up to `W + 1` tokens in one pass equals d
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -320,7 +320,8 @@ class WindowedLayer(LoopLayerBase):
         if (option == "share") != (source is not None):
             raise ValueError("a `share` layer needs a `source` layer, and only a `share` layer takes one")
         self.option = option
-        self.nbits = {"int4": 4, "int2": 2}.get(option)
+        self.nbits: int = {"int4": 4, "int2": 2, "share": 0}[option]  # 0: no own codes
+        self.owner: Any = None  # the LoopCache, set by it (tells whether a forward runs every loop)
         self.sink, self.window, self.page, self.group, self.rollback = sink, window, page_size, group_size, rollback
         self.source = source
         self.sink_buf = _SeqBuffer()
@@ -426,8 +427,7 @@ class WindowedLayer(LoopLayerBase):
         first_new = n + n_sink
         target = max(self.hist_end, self.keep_boundary(new_len))
         if self.source is not None:  # never drop a position the source will not hold after this forward
-            owner = getattr(self, "owner", None)
-            complete = owner is None or owner._depth_complete
+            complete = self.owner is None or self.owner._depth_complete
             cap = self.source.represent_limit() + (q if complete else 0)
             target = min(target, max(self.hist_end, cap))
         if target > self.hist_end:
@@ -435,7 +435,7 @@ class WindowedLayer(LoopLayerBase):
             take = max(0, target - first_new)
             moved_k = [t for t in (old_k, key[:, :, :take]) if t is not None and t.shape[2]]
             moved_v = [t for t in (old_v, value[:, :, :take]) if t is not None and t.shape[2]]
-            if self.nbits is not None:
+            if self.nbits:
                 self._flush(torch.cat(moved_k, dim=2), torch.cat(moved_v, dim=2), self.hist_end, target)
             self.recent.drop_front(target)
             if self.recent.start < target:  # the recent buffer was empty below `target`

@@ -156,7 +156,7 @@ class LoopGenerationMixin(GenerationMixin):
             model_kwargs[CACHE_KWARG].reserve(max_cache_length)
             return None
         user_cache = model_kwargs.get(CACHE_KWARG)
-        if getattr(user_cache, "is_loop_cache", False):
+        if user_cache is not None and getattr(user_cache, "is_loop_cache", False):
             user_cache.reserve(max_cache_length)
         if model_kwargs.get(CACHE_KWARG) is None and generation_config.cache_implementation is not None:
             raise ValueError(
@@ -164,6 +164,6 @@ class LoopGenerationMixin(GenerationMixin):
                 f"model layer, which cannot hold a looped model's cells. Pass a cache instead, e.g. "
                 f"`past_key_values=hf_loopcache.FullLoopCache(model)` or `hf_loopcache.RIPECache(model, window=64)`."
             )
-        return super()._prepare_cache_for_generation(
+        return super()._prepare_cache_for_generation(  # type: ignore[misc]  # the mixin is only used on models
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )

@@ -78,12 +78,12 @@ def plan_costs(
         "int2": probe.coded_bytes_per_token(2),
     }
     source_bytes = per_option[final_option]
-    costs: dict[str, dict[str, OptionCost]] = {}
+    costs: dict[str, dict[str, tuple[float, int, int]]] = {}
     for cell in layout.cells():
         if cell in fixed:
             continue
         measured = profile.options_of(cell)
-        row = {}
+        row: dict[str, tuple[float, int, int]] = {}
         for option in options:
             if option == "share" and not (cell.stage == "core" and cell.loop < layout.final_loop):
                 continue
@@ -161,7 +161,7 @@ def plan_at_bytes(
     the planner with a uniform or hand-made plan at equal bytes)."""
     costs, fixed, unit = plan_costs(profile, options, final_option)
     fixed_damage = sum(profile.options_of(c)[final_option] for c in fixed)
-    probe = _base_plan(profile, {**{c: "bf16" for c in profile.layout.cells()}, **fixed})
+    probe = _base_plan(profile, {**dict.fromkeys(profile.layout.cells(), "bf16"), **fixed})
     fixed_bytes = sum(probe.own_bytes_per_token(c) for c in fixed)
     storage, reads = parse_bytes(storage_budget), parse_bytes(read_budget)
     frontier = pareto_frontier(costs, storage_budget=storage - fixed_bytes, unit=unit)  # type: ignore[operator]

@@ -447,7 +447,7 @@ class QuantizedValues:
                 )
         return cls(
             hi=torch.cat([q.hi for q in items], dim=2),
-            lo=None if first.lo is None else torch.cat([q.lo for q in items], dim=2),
+            lo=None if first.lo is None else torch.cat([q.lo for q in items if q.lo is not None], dim=2),
             scale=torch.cat([q.scale for q in items], dim=2),
             zero=torch.cat([q.zero for q in items], dim=2),
             nbits=first.nbits,
@@ -683,6 +683,7 @@ def dequantize_values(qv: QuantizedValues, *, dtype: torch.dtype = torch.float32
         full = hi * four + unpack_codes(qv.lo, _VALUE_PLANE_BITS, d).to(torch.float32)  # exact small integers
     scale, zero = qv.scale.unsqueeze(-1), qv.zero.unsqueeze(-1)  # [B, H, T, D // gs, 1]
 
+    lead: tuple[int, ...]
     if hot is None:
         codes, lead = full, (b, h, t)
     else:

@@ -119,7 +119,7 @@ class HuginnConfig(PretrainedConfig):
         self.num_key_value_heads = n_heads
         self.head_dim = n_embd // n_heads
         self.use_cache = use_cache
-        super().__init__(tie_word_embeddings=tie_embeddings, **kwargs)
+        super().__init__(tie_word_embeddings=tie_embeddings, **kwargs)  # type: ignore[call-arg]
         self._validate()
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -142,7 +142,7 @@ class HuginnPreTrainedModel(PreTrainedModel):
         if isinstance(module, RMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, CausalSelfAttention) and hasattr(module, "qk_bias"):
-            init.zeros_(module.qk_bias)
+            init.zeros_(cast("torch.Tensor", module.qk_bias))
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             role = self._init_role(module)
             weight = module.weight
@@ -153,8 +153,9 @@ class HuginnPreTrainedModel(PreTrainedModel):
                     self._trunc_normal(weight[half:], scales["out_proj"])
             elif role is not None:
                 self._trunc_normal(weight, scales[role])
-            if getattr(module, "bias", None) is not None:
-                init.zeros_(module.bias)
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                init.zeros_(bias)
 
     @property
     def loop_layout(self) -> LoopLayout:
@@ -189,11 +190,15 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.transformer.wte  # type: ignore[return-value]
+    def _part(self, name: str) -> Any:
+        """A part of the official `transformer` ModuleDict (`wte`, `prelude`, `adapter`, `core_block`, `coda`, `ln_f`)."""
+        return cast("Any", self.transformer[name])
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.transformer.wte = value
+    def get_input_embeddings(self) -> nn.Module:
+        return self._part("wte")
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.transformer["wte"] = value
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -248,12 +253,12 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
+        input_ids: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
         input_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        labels: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
         num_steps: int | tuple[int, int] | torch.Tensor | None = None,
         past_key_values: Any = None,
         output_details: dict[str, bool] | None = None,
@@ -287,7 +292,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         if (input_ids is None) == (embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `input_embeds`/`inputs_embeds`.")
         if embeds is None:
-            embeds = self.transformer.wte(input_ids)
+            embeds = self._part("wte")(input_ids)
         if self.emb_scale != 1:
             embeds = embeds * self.emb_scale
         # RNG order of the official code: the initial state is drawn first, then the depth sampler runs
@@ -309,19 +314,19 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         )
         rope = _rope_angles(position_ids, self.config.head_dim, self.config.rope_base)
         n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
-        for i, block in enumerate(self.transformer.prelude):
+        for i, block in enumerate(self._part("prelude")):
             embeds = block(embeds, rope, state, i)
 
         for step in range(steps_no_grad + steps_with_grad):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_no_grad):
-                x = self.transformer.adapter(torch.cat([x, embeds.to(x.device)], dim=-1))
-                for j, block in enumerate(self.transformer.core_block):
+                x = self._part("adapter")(torch.cat([x, embeds.to(x.device)], dim=-1))
+                for j, block in enumerate(self._part("core_block")):
                     x = block(x, rope, state, n_pre + n_core * step + j)
-        x = self.transformer.ln_f(x)
+        x = self._part("ln_f")(x)
         latent_states = x.clone().detach()
-        for c, block in enumerate(self.transformer.coda):
+        for c, block in enumerate(self._part("coda")):
             x = block(x, rope, state, -(c + 1))
-        x = self.transformer.ln_f(x)
+        x = self._part("ln_f")(x)
 
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         head_in = x[:, keep] if isinstance(keep, slice) else x.index_select(1, keep.to(x.device))

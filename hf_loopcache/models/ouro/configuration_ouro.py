@@ -99,7 +99,7 @@ class OuroConfig(PretrainedConfig):
         self.total_ut_steps = total_ut_steps
         self.early_exit_threshold = early_exit_threshold
         self.early_exit_step = early_exit_step
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]  # the base accepts these through **kwargs at runtime
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

@@ -13,7 +13,7 @@ Cache slot of loop `r`, layer `l`: `r * num_hidden_layers + l` (see `hf_loopcach
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -158,17 +158,17 @@ class OuroModel(OuroPreTrainedModel):
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> nn.Module:
         return self.embed_tokens
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = cast("nn.Embedding", value)
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
@@ -257,12 +257,12 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
+        labels: torch.Tensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_loops: int | None = None,

@@ -1,0 +1,48 @@
+"""The public surface is deliberate (STYLE 21): additions and removals show up here."""
+
+import subprocess
+import sys
+
+import hf_loopcache
+import triton_ops
+import triton_ops.quant
+
+
+def test_hf_loopcache_all():
+    assert sorted(hf_loopcache.__all__) == sorted(
+        [
+            "CachePlan",
+            "Cell",
+            "DeepestPlaneCache",
+            "FullLoopCache",
+            "HuginnConfig",
+            "HuginnForCausalLM",
+            "LoopCache",
+            "LoopKVCache",
+            "LoopLayout",
+            "OuroConfig",
+            "OuroForCausalLM",
+            "RIPECache",
+            "__version__",
+            "list_fixtures",
+            "load_fixture",
+            "register",
+        ]
+    )
+    for name in hf_loopcache.__all__:
+        assert getattr(hf_loopcache, name) is not None
+
+
+def test_triton_ops_all():
+    assert triton_ops.__all__ == []
+    assert "quantize_keys" in triton_ops.quant.__all__ and "dequantize_values" in triton_ops.quant.__all__
+
+
+def test_import_has_no_side_effects_beyond_registration():
+    """`import hf_loopcache` registers the Auto classes and touches neither the environment nor Triton or lm_eval."""
+    code = (
+        "import os, sys; before = dict(os.environ); import hf_loopcache; "
+        "from transformers import AutoConfig; AutoConfig.for_model('ouro'); AutoConfig.for_model('huginn_raven'); "
+        "assert dict(os.environ) == before; assert 'lm_eval' not in sys.modules; assert 'triton' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
