@@ -20,7 +20,7 @@ the short version:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
@@ -257,6 +257,24 @@ def _check_range(start: int, end: int, size: int, what: str) -> None:
         raise ValueError(f"need 0 <= `start` <= `end` <= {size} ({what}), got start={start}, end={end}")
 
 
+_Q = TypeVar("_Q")
+
+
+def _check_cat(items: Sequence[_Q], cls: type[_Q]) -> list[_Q]:
+    """`items` as a list, checked to be a non-empty sequence of `cls` with one `nbits` and `group_size`."""
+    items = list(items)
+    if not items or not all(isinstance(q, cls) for q in items):
+        raise ValueError(f"`items` must be a non-empty sequence of {cls.__name__}")
+    first = items[0]
+    for q in items[1:]:
+        if (q.nbits, q.group_size) != (first.nbits, first.group_size):  # type: ignore[attr-defined]
+            raise ValueError(
+                f"cannot concatenate {cls.__name__} with different `nbits`/`group_size`: "
+                f"({first.nbits}, {first.group_size}) vs ({q.nbits}, {q.group_size})"  # type: ignore[attr-defined]
+            )
+    return items
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedKeys:
     """KIVI keys of one cache cell: per-channel codes over pages of `group_size` tokens.
@@ -320,16 +338,8 @@ class QuantizedKeys:
     @classmethod
     def cat(cls, items: Sequence[QuantizedKeys]) -> QuantizedKeys:
         """Concatenate along tokens (pages). All items must share `nbits`, `group_size`, `B`, `H` and `D`."""
-        items = list(items)
-        if not items or not all(isinstance(q, QuantizedKeys) for q in items):
-            raise ValueError("`items` must be a non-empty sequence of QuantizedKeys")
+        items = _check_cat(items, cls)
         first = items[0]
-        for q in items[1:]:
-            if (q.nbits, q.group_size) != (first.nbits, first.group_size):
-                raise ValueError(
-                    "cannot concatenate QuantizedKeys with different `nbits`/`group_size`: "
-                    f"({first.nbits}, {first.group_size}) vs ({q.nbits}, {q.group_size})"
-                )
         return cls(
             codes=torch.cat([q.codes for q in items], dim=2),
             scale=torch.cat([q.scale for q in items], dim=2),
@@ -435,16 +445,8 @@ class QuantizedValues:
     @classmethod
     def cat(cls, items: Sequence[QuantizedValues]) -> QuantizedValues:
         """Concatenate along tokens. All items must share `nbits`, `group_size`, `B`, `H` and `D`."""
-        items = list(items)
-        if not items or not all(isinstance(q, QuantizedValues) for q in items):
-            raise ValueError("`items` must be a non-empty sequence of QuantizedValues")
+        items = _check_cat(items, cls)
         first = items[0]
-        for q in items[1:]:
-            if (q.nbits, q.group_size) != (first.nbits, first.group_size):
-                raise ValueError(
-                    "cannot concatenate QuantizedValues with different `nbits`/`group_size`: "
-                    f"({first.nbits}, {first.group_size}) vs ({q.nbits}, {q.group_size})"
-                )
         return cls(
             hi=torch.cat([q.hi for q in items], dim=2),
             lo=None if first.lo is None else torch.cat([q.lo for q in items if q.lo is not None], dim=2),
