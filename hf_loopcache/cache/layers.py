@@ -345,6 +345,12 @@ class WindowedLayer(LoopLayerBase):
         """History boundary to keep after reaching `length` positions (the rollback reserve stays at full precision)."""
         return self.sink + self.page * (max(0, length - self.sink - self.window - self.rollback) // self.page)
 
+    def history_boundary(self, t: int) -> int:
+        """Positions `[S, history_boundary(t))` are read from the history by the query at position `t >= length`:
+        `H(t)`, but never below what is already flushed, beyond the cached positions, or beyond what can be
+        represented (a shared cell's source may hold fewer positions during a partial-depth draft)."""
+        return max(self.hist_end, min(self.read_boundary(t), self.length, self.represent_limit()))
+
     # ---------------------------------------------------------------- history representation
     def represent_limit(self) -> int:
         if self.source is not None:
@@ -456,9 +462,7 @@ class WindowedLayer(LoopLayerBase):
         reading rule, new positions at full precision), then store the new positions."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, q = self.length, key_states.shape[2]
-        boundary = max(self.hist_end, min(self.read_boundary(n + q - 1), n, self.represent_limit()))
-        parts_k, parts_v = self._cached_parts(boundary)
+        parts_k, parts_v = self._cached_parts(self.history_boundary(self.length + key_states.shape[2] - 1))
         k = torch.cat([*parts_k, key_states], dim=2)
         v = torch.cat([*parts_v, value_states], dim=2)
         self._write(key_states, value_states, None)
@@ -485,8 +489,7 @@ class WindowedLayer(LoopLayerBase):
         """Every position as the next query (at position `length`) reads it."""
         if self.length == 0:
             raise ValueError("this cell holds no positions yet")
-        boundary = max(self.hist_end, min(self.read_boundary(self.length), self.represent_limit()))
-        parts_k, parts_v = self._cached_parts(boundary)
+        parts_k, parts_v = self._cached_parts(self.history_boundary(self.length))
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
     # ---------------------------------------------------------------- attention
@@ -501,9 +504,10 @@ class WindowedLayer(LoopLayerBase):
         device = query.device
         key_valid = inputs.key_valid
         queries = torch.arange(n, n + q, device=device)
-        limit = self.represent_limit()
-        bounds = [max(self.hist_end, min(self.read_boundary(t), n, limit)) for t in (n, n + q - 1)]
-        hist_max = bounds[-1]
+        bounds = [self.history_boundary(t) for t in range(n, n + q)]  # per query: history below, own at and above
+        hist_max, moving = bounds[-1], bounds[0] != bounds[-1]
+        # per-query masks are needed when the boundary moves inside the block or reaches into the own window
+        limits = torch.tensor(bounds, device=device)[:, None] if moving or hist_max > self.hist_end else None
         segments: list[Segment] = []
         if len(self.sink_buf):
             k, v = self.sink_buf.view(0, self.sink_buf.end)
@@ -513,23 +517,13 @@ class WindowedLayer(LoopLayerBase):
             with_cold = v_precision is not None and self._reads_int4()
             k, v, cold = self.represent(self.sink, hist_max, with_cold)
             pos = torch.arange(self.sink, hist_max, device=device)
-            mask = None
-            if bounds[0] != bounds[-1]:  # the boundary moves inside the block: per-query visibility
-                limits = torch.tensor(
-                    [max(self.hist_end, min(self.read_boundary(t), n, limit)) for t in range(n, n + q)], device=device
-                )
-                mask = (pos[None, :] < limits[:, None])[None, None]
+            mask = (pos[None, :] < limits)[None, None] if moving and limits is not None else None
             segments.append(Segment(k, v, _and(mask, _padding_only(queries, pos, key_valid)), cold_delta=cold))
         own_start = max(self.sink, self.hist_end)
         if own_start < n:
             k, v = self.recent.view(own_start, n)
             pos = torch.arange(own_start, n, device=device)
-            mask = None
-            if bounds[-1] > own_start:
-                limits = torch.tensor(
-                    [max(self.hist_end, min(self.read_boundary(t), n, limit)) for t in range(n, n + q)], device=device
-                )
-                mask = (pos[None, :] >= limits[:, None])[None, None]
+            mask = (pos[None, :] >= limits)[None, None] if limits is not None else None
             segments.append(Segment(k, v, _and(mask, _padding_only(queries, pos, key_valid))))
         segments.append(Segment(key, value, causal_padding_mask(queries, queries, key_valid)))
         out = segmented_attention(query, segments, scaling=inputs.scaling, v_precision=v_precision)
