@@ -18,6 +18,7 @@ represent them, so decoding a block of up to `W + 1` tokens in one pass equals d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +34,6 @@ from hf_loopcache.attention import (
     segmented_attention,
 )
 from triton_ops.quant import (
-    QuantizedKeys,
-    QuantizedValues,
     dequantize_keys,
     dequantize_values,
     quantize_keys,
@@ -131,6 +130,71 @@ class _SeqBuffer:
             return 0
         per_pos = (self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()) // self.k.shape[2]
         return per_pos * len(self)
+
+
+class _CodeStore:
+    """History codes (`QuantizedKeys` or `QuantizedValues`) appended in place: buffers grow by doubling, reads are
+    views of the live part, so a flush copies only the new page, not the whole history."""
+
+    def __init__(self) -> None:
+        self.buf: Any = None  # the container whose tensors are the capacity buffers
+        self.tokens = 0
+
+    def __bool__(self) -> bool:
+        return self.tokens > 0
+
+    @staticmethod
+    def _tensors(item: Any) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(item, f.name) for f in dataclasses.fields(item) if isinstance(getattr(item, f.name), torch.Tensor)}
+
+    def append(self, item: Any) -> None:
+        if self.buf is None or self.tokens == 0:
+            self.buf, self.tokens = item, item.num_tokens
+            return
+        new = self._tensors(item)
+        ratio = {k: v.shape[2] / item.num_tokens for k, v in new.items()}
+        need = self.tokens + item.num_tokens
+        capacity = self.buf.num_tokens
+        if need > capacity:
+            grown = max(need, 2 * capacity)
+            fields = {}
+            for k, old in self._tensors(self.buf).items():
+                t = old.new_empty((*old.shape[:2], int(grown * ratio[k]), *old.shape[3:]))
+                live = int(self.tokens * ratio[k])
+                t[:, :, :live] = old[:, :, :live]
+                fields[k] = t
+            self.buf = dataclasses.replace(self.buf, **fields)
+        for k, t in new.items():
+            start = int(self.tokens * ratio[k])
+            getattr(self.buf, k)[:, :, start : start + t.shape[2]] = t
+        self.tokens = need
+
+    def view(self) -> Any:
+        if self.buf is None or self.tokens == 0:
+            return None
+        if self.tokens == self.buf.num_tokens:
+            return self.buf
+        ratio = {k: v.shape[2] / self.buf.num_tokens for k, v in self._tensors(self.buf).items()}
+        return dataclasses.replace(self.buf, **{k: v[:, :, : int(self.tokens * ratio[k])] for k, v in self._tensors(self.buf).items()})
+
+    def truncate(self, tokens: int) -> None:
+        self.tokens = min(self.tokens, tokens)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.buf is not None:
+            self.buf = self.buf.index_select_batch(index.to(next(iter(self._tensors(self.buf).values())).device))
+
+    def reset(self) -> None:
+        self.buf, self.tokens = None, 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.buf.nbytes if self.buf is not None else 0
+
+    @property
+    def live_bytes(self) -> int:
+        view = self.view()
+        return view.nbytes if view is not None else 0
 
 
 class LoopLayerBase(CacheLayerMixin):
@@ -328,8 +392,8 @@ class WindowedLayer(LoopLayerBase):
         self.recent = _SeqBuffer()  # positions [self.hist_end, self.length)
         self.hist_end = sink  # history holds [sink, hist_end)
         self.recent.reset(sink)
-        self.qk: QuantizedKeys | None = None
-        self.qv: QuantizedValues | None = None
+        self.codes_k = _CodeStore()  # QuantizedKeys of the pages [sink, hist_end)
+        self.codes_v = _CodeStore()  # QuantizedValues of the same positions
         self._valid: torch.Tensor | None = None  # [B, length] key validity once any padding was seen
 
     @property
@@ -367,8 +431,8 @@ class WindowedLayer(LoopLayerBase):
         stored_end = min(end, self.hist_end)
         if start < stored_end:
             p0, p1 = (start - self.sink) // self.page, math.ceil((stored_end - self.sink) / self.page)
-            qk = self.qk.select_pages(p0, p1)  # type: ignore[union-attr]
-            qv = self.qv.select_tokens(p0 * self.page, p1 * self.page)  # type: ignore[union-attr]
+            qk = self.codes_k.view().select_pages(p0, p1)
+            qv = self.codes_v.view().select_tokens(p0 * self.page, p1 * self.page)
             lo = start - (self.sink + p0 * self.page)
             hi = lo + stored_end - start
             k, v, c = self._decode(qk, qv, with_cold)
@@ -454,8 +518,8 @@ class WindowedLayer(LoopLayerBase):
     def _flush(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
         qk = quantize_keys(k, self.nbits, group_size=self.page, valid=self._valid_slice(start, end))
         qv = quantize_values(v, self.nbits, group_size=self.group)
-        self.qk = qk if self.qk is None else QuantizedKeys.cat([self.qk, qk])
-        self.qv = qv if self.qv is None else QuantizedValues.cat([self.qv, qv])
+        self.codes_k.append(qk)
+        self.codes_v.append(qv)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Plain path for foreign models: every position as the last new token reads it (cached positions by the
@@ -542,7 +606,8 @@ class WindowedLayer(LoopLayerBase):
             self.sink_buf.truncate(length)
             self.recent.reset(self.sink)
             self.hist_end = self.sink
-            self.qk = self.qv = None
+            self.codes_k.reset()
+            self.codes_v.reset()
         elif length >= self.hist_end:
             self.recent.truncate(length)
         elif self.source is not None:
@@ -554,8 +619,8 @@ class WindowedLayer(LoopLayerBase):
             k, v = None, None
             if length > page_start:
                 k, v, _ = self.represent(page_start, length)
-            self.qk = self.qk.select_pages(0, page) if page else None  # type: ignore[union-attr]
-            self.qv = self.qv.select_tokens(0, page * self.page) if page else None  # type: ignore[union-attr]
+            self.codes_k.truncate(page * self.page)
+            self.codes_v.truncate(page * self.page)
             self.recent.reset(page_start)
             self.hist_end = page_start
             if k is not None and v is not None:
@@ -568,15 +633,15 @@ class WindowedLayer(LoopLayerBase):
         self.sink_buf.reset()
         self.recent.reset(self.sink)
         self.hist_end = self.sink
-        self.qk = self.qv = None
+        self.codes_k.reset()
+        self.codes_v.reset()
         self.length = 0
         self._valid = None
 
     def select_batch(self, index: torch.Tensor) -> None:
         super().select_batch(index)
-        if self.qk is not None and self.qv is not None:
-            self.qk = self.qk.index_select_batch(index.to(self.qk.codes.device))
-            self.qv = self.qv.index_select_batch(index.to(self.qk.codes.device))
+        self.codes_k.select_batch(index)
+        self.codes_v.select_batch(index)
 
     def _map_batch(self, fn):
         self.sink_buf.map_batch(fn)
@@ -586,11 +651,11 @@ class WindowedLayer(LoopLayerBase):
 
     # ---------------------------------------------------------------- accounting
     def allocated_bytes(self) -> int:
-        coded = (self.qk.nbytes if self.qk is not None else 0) + (self.qv.nbytes if self.qv is not None else 0)
+        coded = self.codes_k.allocated_bytes + self.codes_v.allocated_bytes
         return self.sink_buf.allocated_bytes + self.recent.allocated_bytes + coded
 
     def stored_bytes(self) -> int:
-        coded = (self.qk.nbytes if self.qk is not None else 0) + (self.qv.nbytes if self.qv is not None else 0)
+        coded = self.codes_k.live_bytes + self.codes_v.live_bytes
         return self.sink_buf.live_bytes + self.recent.live_bytes + coded
 
 
