@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_rows
-from hf_loopcache import LoopLayout, RIPECache, load_fixture
+from hf_loopcache import FullLoopCache, LoopLayout, RIPECache, load_fixture
 from hf_loopcache.fidelity import measure_fidelity, reference_logits
 from hf_loopcache.fixtures import heldout_documents
 
@@ -31,11 +31,13 @@ def documents(tokenizer: Any, model_name: str, num: int, tokens: int) -> list[to
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny-huginn")
-    parser.add_argument("--windows", nargs="+", type=int, default=[0, 16, 64, 256])
+    parser.add_argument("--windows", nargs="*", type=int, default=[0, 16, 64, 256])
     parser.add_argument("--num-docs", type=int, default=16)
     parser.add_argument("--doc-tokens", type=int, default=1024)
     parser.add_argument("--prefix", type=int, default=768, help="prefilled tokens; the rest is replayed as decoded")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="also replay the full cache, the fp32 rounding floor")
     parser.add_argument("--out", default="ripe_windows_tiny_huginn")
     args = parser.parse_args(argv)
 
@@ -45,6 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     refs = reference_logits(model, docs, **kwargs)
     layout = model.loop_layout
     rows = []
+    if args.floor:  # the numerical floor: the exact full cache replayed the same way (differences are rounding only)
+        report = measure_fidelity(model, docs, FullLoopCache, prefix=args.prefix, block=17, reference=refs, **kwargs)
+        summary = report.to_dict()
+        summary.pop("per_document")
+        rows.append({"model": args.model, "cache": "full cache (fp32 floor)", "window": None, **summary})
+        print(rows[-1], flush=True)
     for window in args.windows:
         report = measure_fidelity(
             model, docs, lambda m, w=window: RIPECache(m, window=w), prefix=args.prefix, reference=refs, **kwargs
