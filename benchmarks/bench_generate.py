@@ -21,15 +21,23 @@ CACHES = {
 }
 
 
-def run_one(model, shape: str, cache_name: str, batch: int, context: int, new_tokens: int, device: str) -> dict[str, Any]:
+def run_one(
+    model, shape: str, cache_name: str, batch: int, context: int, new_tokens: int, device: str
+) -> dict[str, Any]:
     layout = model.loop_layout
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
     ids = torch.randint(1, vocab, (batch, prompt_len), device=device)
     row: dict[str, Any] = {
-        "shape": shape, "cache": cache_name, "batch": batch, "context": context, "prompt": prompt_len,
-        "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "layout": layout.describe(), "kv_bytes_per_token_formula": layout.full_bytes_per_token(),
+        "shape": shape,
+        "cache": cache_name,
+        "batch": batch,
+        "context": context,
+        "prompt": prompt_len,
+        "new_tokens": new_tokens,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "layout": layout.describe(),
+        "kv_bytes_per_token_formula": layout.full_bytes_per_token(),
     }
     extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
     gen = dict(do_sample=False, pad_token_id=0, **extra)

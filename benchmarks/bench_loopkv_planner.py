@@ -59,14 +59,25 @@ def main(argv: list[str] | None = None) -> None:
     storage = dict(sink=args.sink, window=args.window, page_size=args.page_size, group_size=args.group_size)
     profile_path = RESULTS / f"{args.out}_profile.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    profile = profile_cells(model, prof_docs, prefix=args.prefix, out_path=profile_path,
-                            source={"model": args.model, "documents": "fixture held-out text"}, **storage, **kwargs)
+    profile = profile_cells(
+        model,
+        prof_docs,
+        prefix=args.prefix,
+        out_path=profile_path,
+        source={"model": args.model, "documents": "fixture held-out text"},
+        **storage,
+        **kwargs,
+    )
 
     layout = model.loop_layout
-    plans: dict[str, CachePlan] = {name: loopkv_preset(layout, name, **storage) for name in ("kivi4", "kivi2", "kivi4-share", "hand")}
+    plans: dict[str, CachePlan] = {
+        name: loopkv_preset(layout, name, **storage) for name in ("kivi4", "kivi2", "kivi4-share", "hand")
+    }
     plans["knapsack R (1.19x)"] = plan_from_profile(profile, damage_budget="1.19x")
     hand_stored, _ = plans["hand"].bytes_per_token()
-    plans["knapsack M (2.0x, hand's storage)"] = plan_from_profile(profile, damage_budget="2.0x", storage_budget=hand_stored)
+    plans["knapsack M (2.0x, hand's storage)"] = plan_from_profile(
+        profile, damage_budget="2.0x", storage_budget=hand_stored
+    )
     for budget in ("0.5x", "4x", "8x"):
         plans[f"knapsack R ({budget})"] = plan_from_profile(profile, damage_budget=budget)
     equal = {}
@@ -82,16 +93,29 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     measured: dict[str, float] = {}
     for name, plan in plans.items():
-        report = measure_fidelity(model, eval_docs, lambda m, p=plan: LoopKVCache(m, p, tau=args.tau),
-                                  prefix=args.prefix, reference=refs, **kwargs)
+        report = measure_fidelity(
+            model,
+            eval_docs,
+            lambda m, p=plan: LoopKVCache(m, p, tau=args.tau),
+            prefix=args.prefix,
+            reference=refs,
+            **kwargs,
+        )
         stored, read = plan.bytes_per_token()
         predicted = predicted_damage(profile, plan)
         measured[name] = report.mean_kl
         row = {
-            "plan": name, "counts": plan.counts(), "stored_bytes_per_token": stored, "read_bytes_per_token": read,
-            "predicted_kl": predicted, "measured_kl": report.mean_kl,
-            "predicted_in_kl_share": predicted / profile.kl_share, "measured_in_kl_share": report.mean_kl / profile.kl_share,
-            "top1_agreement": report.top1_agreement, "tail_kl_gt_0.1": report.tail, "max_kl": report.max_kl,
+            "plan": name,
+            "counts": plan.counts(),
+            "stored_bytes_per_token": stored,
+            "read_bytes_per_token": read,
+            "predicted_kl": predicted,
+            "measured_kl": report.mean_kl,
+            "predicted_in_kl_share": predicted / profile.kl_share,
+            "measured_in_kl_share": report.mean_kl / profile.kl_share,
+            "top1_agreement": report.top1_agreement,
+            "tail_kl_gt_0.1": report.tail,
+            "max_kl": report.max_kl,
         }
         print(row, flush=True)
         rows.append(row)
@@ -105,9 +129,16 @@ def main(argv: list[str] | None = None) -> None:
         "plans": len(rows),
         "equal_bytes_kl_ratio_knapsack_over_baseline": {b: measured[k] / measured[b] for b, k in equal.items()},
         "conditions": {
-            "model": args.model, "dtype": "float32", "device": args.device, "profile_docs": args.profile_docs,
-            "eval_docs": args.eval_docs, "doc_tokens": args.doc_tokens, "prefix": args.prefix, **storage,
-            "tau": args.tau, "profile": str(Path(profile_path).relative_to(RESULTS.parent.parent)),
+            "model": args.model,
+            "dtype": "float32",
+            "device": args.device,
+            "profile_docs": args.profile_docs,
+            "eval_docs": args.eval_docs,
+            "doc_tokens": args.doc_tokens,
+            "prefix": args.prefix,
+            **storage,
+            "tau": args.tau,
+            "profile": str(Path(profile_path).relative_to(RESULTS.parent.parent)),
         },
     }
     print(summary)

@@ -17,7 +17,9 @@ from hf_loopcache import FullLoopCache, LoopLayout, RIPECache, load_fixture
 from hf_loopcache.fidelity import measure_fidelity, reference_logits
 from hf_loopcache.fixtures import heldout_documents
 
-HUGINN_0125 = LoopLayout(n_core=4, num_loops=32, num_kv_heads=55, head_dim=96, n_prelude=2, n_coda=2, name="huginn_raven")
+HUGINN_0125 = LoopLayout(
+    n_core=4, num_loops=32, num_kv_heads=55, head_dim=96, n_prelude=2, n_coda=2, name="huginn_raven"
+)
 
 
 def documents(tokenizer: Any, model_name: str, num: int, tokens: int) -> list[torch.Tensor]:
@@ -36,8 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--doc-tokens", type=int, default=1024)
     parser.add_argument("--prefix", type=int, default=768, help="prefilled tokens; the rest is replayed as decoded")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
-                        help="also replay the full cache, the fp32 rounding floor")
+    parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also replay the full cache, the fp32 rounding floor",
+    )
     parser.add_argument("--out", default="ripe_windows_tiny_huginn")
     args = parser.parse_args(argv)
 
@@ -64,15 +70,24 @@ def main(argv: list[str] | None = None) -> None:
             "cache": "deepest plane (W=0)" if window == 0 else f"RIPE W={window}",
             "window": window,
             **summary,
-            "extra_bytes_over_deepest_at_1024_this_layout": layout.ripe_bytes(1024, window) - layout.deepest_plane_bytes(1024),
+            "extra_bytes_over_deepest_at_1024_this_layout": layout.ripe_bytes(1024, window)
+            - layout.deepest_plane_bytes(1024),
             "fraction_of_full_at_1024_this_layout": layout.ripe_bytes(1024, window) / layout.full_bytes(1024),
-            "extra_MB_over_deepest_at_1024_huginn_0125": (HUGINN_0125.ripe_bytes(1024, window) - HUGINN_0125.deepest_plane_bytes(1024)) / 1e6,
+            "extra_MB_over_deepest_at_1024_huginn_0125": (
+                HUGINN_0125.ripe_bytes(1024, window) - HUGINN_0125.deepest_plane_bytes(1024)
+            )
+            / 1e6,
             "fraction_of_full_at_1024_huginn_0125": HUGINN_0125.ripe_bytes(1024, window) / HUGINN_0125.full_bytes(1024),
             "conditions": {
-                "dtype": "float32", "device": args.device, "documents": args.num_docs, "doc_tokens": args.doc_tokens,
-                "prefix": args.prefix, "replayed_positions_per_doc": args.doc_tokens - args.prefix,
+                "dtype": "float32",
+                "device": args.device,
+                "documents": args.num_docs,
+                "doc_tokens": args.doc_tokens,
+                "prefix": args.prefix,
+                "replayed_positions_per_doc": args.doc_tokens - args.prefix,
                 "num_steps": model.config.mean_recurrence if kwargs else model.config.total_ut_steps,
-                "block": window + 1, "init_scale": kwargs.get("init_scale"),
+                "block": window + 1,
+                "init_scale": kwargs.get("init_scale"),
             },
         }
         print({k: v for k, v in row.items() if k != "conditions"}, flush=True)

@@ -1,6 +1,6 @@
 """Generate with the full, RIPE and LoopKV caches on a shipped fixture and compare what each stores.
 
-    python examples/quickstart.py [--model tiny-ouro|tiny-huginn] [--max-new-tokens 48]
+python examples/quickstart.py [--model tiny-ouro|tiny-huginn] [--max-new-tokens 48]
 """
 
 from __future__ import annotations
@@ -33,13 +33,21 @@ def main() -> None:
     reference = None
     for name, cache in caches.items():
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, **{CACHE_KWARG: cache}, **extra)
-        new = out[0, inputs["input_ids"].shape[1]:]
+            out = model.generate(
+                **inputs,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                **{CACHE_KWARG: cache},
+                **extra,
+            )
+        new = out[0, inputs["input_ids"].shape[1] :]
         reference = new if reference is None else reference
         same = int((new[: len(reference)] == reference[: len(new)]).sum())
-        print(f"{name:20s} stores {cache.stored_bytes() / 2**20:6.2f} MiB for {cache.get_seq_length()} tokens; "
-              f"{same}/{len(new)} tokens equal to the full cache's; {tokenizer.decode(new[:24])!r}")
+        print(
+            f"{name:20s} stores {cache.stored_bytes() / 2**20:6.2f} MiB for {cache.get_seq_length()} tokens; "
+            f"{same}/{len(new)} tokens equal to the full cache's; {tokenizer.decode(new[:24])!r}"
+        )
 
 
 if __name__ == "__main__":

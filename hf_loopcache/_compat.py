@@ -35,7 +35,9 @@ MAX_TRANSFORMERS = Version("5.25.0")  # exclusive
 
 #: name under which `generate` hands the cache to `forward` and keeps it in `model_kwargs`
 CACHE_KWARG: str = (
-    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
 )
 #: name of the cache field of `CausalLMOutputWithPast` and friends
 OUTPUT_CACHE_FIELD: str = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

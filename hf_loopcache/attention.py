@@ -214,7 +214,11 @@ def segmented_attention(
         if seg.mask is not None:
             m = seg.mask
             m = m.expand(m.shape[0], 1, q_len, m.shape[-1])  # [B|1, 1, q, L]
-            m = m[:, :, None].expand(m.shape[0], 1, groups, q_len, m.shape[-1]).reshape(m.shape[0], 1, groups * q_len, -1)
+            m = (
+                m[:, :, None]
+                .expand(m.shape[0], 1, groups, q_len, m.shape[-1])
+                .reshape(m.shape[0], 1, groups * q_len, -1)
+            )
             s = s.masked_fill(~m, -math.inf)
         scores.append(s)
     row_max = torch.stack([s.amax(-1) for s in scores], dim=-1).amax(-1)  # [B, Hkv, G*q]

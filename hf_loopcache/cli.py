@@ -76,8 +76,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, repetition_penalty=args.repetition_penalty,
-            pad_token_id=tokenizer.pad_token_id, **{CACHE_KWARG: cache}, **_forward_kwargs(model),
+            **inputs,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            repetition_penalty=args.repetition_penalty,
+            pad_token_id=tokenizer.pad_token_id,
+            **{CACHE_KWARG: cache},
+            **_forward_kwargs(model),
         )
     elapsed = time.perf_counter() - start
     tokens = cache.get_seq_length()
@@ -85,7 +90,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"model:  {args.model} ({layout.describe()}, {model.num_parameters() / 1e6:.1f}M parameters, {model.dtype})")
     print(f"cache:  {cache!r}")
     print(f"prompt: {args.prompt!r}")
-    print(f"output: {tokenizer.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True)!r}")
+    print(f"output: {tokenizer.decode(out[0, inputs['input_ids'].shape[1] :], skip_special_tokens=True)!r}")
     print(f"generated {out.shape[1] - inputs['input_ids'].shape[1]} tokens in {elapsed:.2f} s")
     formula = layout.full_bytes_per_token() * element // layout.bytes_per_element
     print(
@@ -115,15 +120,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     length = args.length
     full = CachePlan.full(layout).expected_stored_bytes(length)
-    print(f"{'cache':20s} {'stored/token (history)':>24s} {'read/token':>12s} {f'stored at L={length}':>18s} {'fraction':>9s}")
+    print(
+        f"{'cache':20s} {'stored/token (history)':>24s} {'read/token':>12s} {f'stored at L={length}':>18s} {'fraction':>9s}"
+    )
     for name, plan in rows:
         stored, read = plan.bytes_per_token()
         total = plan.expected_stored_bytes(length)
-        print(f"{name:20s} {_fmt_bytes(stored):>24s} {_fmt_bytes(read):>12s} {_fmt_bytes(total):>18s} {total / full:9.1%}")
+        print(
+            f"{name:20s} {_fmt_bytes(stored):>24s} {_fmt_bytes(read):>12s} {_fmt_bytes(total):>18s} {total / full:9.1%}"
+        )
     return 0
 
 
-def _read_documents(path: str | None, tokenizer: Any, num: int, tokens: int, model_name: str) -> tuple[list[torch.Tensor], str]:
+def _read_documents(
+    path: str | None, tokenizer: Any, num: int, tokens: int, model_name: str
+) -> tuple[list[torch.Tensor], str]:
     if path is None:
         from hf_loopcache.fixtures import heldout_documents
 
@@ -152,9 +163,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     docs, source = _read_documents(args.documents, tokenizer, args.num_docs, args.doc_tokens, args.model)
     kwargs = _forward_kwargs(model)
     profile = profile_cells(
-        model, docs, options=args.options, sink=args.sink, window=args.window, page_size=args.page_size,
-        group_size=args.group_size, prefix=args.prefix, out_path=args.out, progress=True,
-        source={"model": args.model, "revision": args.revision, "documents": source}, **kwargs,
+        model,
+        docs,
+        options=args.options,
+        sink=args.sink,
+        window=args.window,
+        page_size=args.page_size,
+        group_size=args.group_size,
+        prefix=args.prefix,
+        out_path=args.out,
+        progress=True,
+        source={"model": args.model, "revision": args.revision, "documents": source},
+        **kwargs,
     )
     print(f"wrote {args.out}: {sum(map(len, profile.damage.values()))} damages, KL_share = {profile.kl_share:.3e}")
     return 0
@@ -165,14 +185,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = CellProfile.load(args.profile)
     plan = plan_from_profile(
-        profile, damage_budget=args.damage_budget, storage_budget=args.storage_budget, options=args.options,
-        final_option=args.final_option, model_id=args.model_id or profile.settings.get("source", {}).get("model"),
-        revision=args.revision, profile_path=args.profile,
+        profile,
+        damage_budget=args.damage_budget,
+        storage_budget=args.storage_budget,
+        options=args.options,
+        final_option=args.final_option,
+        model_id=args.model_id or profile.settings.get("source", {}).get("model"),
+        revision=args.revision,
+        profile_path=args.profile,
     )
     path = plan.save_pretrained(args.out)
     print(f"wrote {path}: {plan.summary()}")
-    print(f"predicted damage {plan.metadata['predicted_damage']:.3e}"
-          + (f" = {plan.metadata['predicted_damage_in_kl_share']:.2f} x KL_share" if profile.kl_share else ""))
+    print(
+        f"predicted damage {plan.metadata['predicted_damage']:.3e}"
+        + (f" = {plan.metadata['predicted_damage_in_kl_share']:.2f} x KL_share" if profile.kl_share else "")
+    )
     if args.push_to_hub:
         plan.push_to_hub(args.push_to_hub)
         print(f"pushed to https://huggingface.co/{args.push_to_hub}")
@@ -180,7 +207,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-loopcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hf-loopcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="generate with a looped-model cache and report its bytes")
@@ -203,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="measure the per-cell damage of int4 / int2 / share (LoopKV profile)")
     prof.add_argument("--model", required=True)
     prof.add_argument("--revision", default=None)
-    prof.add_argument("--documents", default=None, help=".txt or .jsonl ({'text': ...}); default: the fixture's held-out text")
+    prof.add_argument(
+        "--documents", default=None, help=".txt or .jsonl ({'text': ...}); default: the fixture's held-out text"
+    )
     prof.add_argument("--num-docs", type=int, default=8)
     prof.add_argument("--doc-tokens", type=int, default=1024)
     prof.add_argument("--prefix", type=float, default=0.5)
@@ -220,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="choose a per-cell plan from a profile (exact knapsack)")
     plan.add_argument("--profile", required=True)
     plan.add_argument("--damage-budget", required=True, help="a KL (2e-4) or a multiple of KL_share ('1.19x')")
-    plan.add_argument("--storage-budget", default=None, help="stored bytes per token, e.g. 156KiB (memory-optimised plan)")
+    plan.add_argument(
+        "--storage-budget", default=None, help="stored bytes per token, e.g. 156KiB (memory-optimised plan)"
+    )
     plan.add_argument("--options", nargs="+", default=["int4", "int2", "share"])
     plan.add_argument("--final-option", default="int4")
     plan.add_argument("--model-id", default=None)

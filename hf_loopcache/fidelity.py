@@ -23,7 +23,14 @@ from hf_loopcache.cache import CachePlan, LoopCache
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["FidelityReport", "default_block", "kl_per_position", "measure_fidelity", "reference_logits", "replay_logits"]
+__all__ = [
+    "FidelityReport",
+    "default_block",
+    "kl_per_position",
+    "measure_fidelity",
+    "reference_logits",
+    "replay_logits",
+]
 
 TAIL_THRESHOLD = 0.1
 
@@ -142,7 +149,10 @@ def measure_fidelity(
         def cache_factory(m: Any) -> LoopCache:
             return LoopCache(m, plan)
 
-    docs = [d.reshape(1, -1) for d in (documents if not isinstance(documents, torch.Tensor) or documents.dim() > 1 else [documents])]
+    docs = [
+        d.reshape(1, -1)
+        for d in (documents if not isinstance(documents, torch.Tensor) or documents.dim() > 1 else [documents])
+    ]
     kls, agree, per_doc = [], [], []
     device = next(model.parameters()).device
     for i, doc in enumerate(docs):

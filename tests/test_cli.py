@@ -25,8 +25,27 @@ def test_info_lists_every_preset(capsys):
 
 def test_profile_then_plan_from_the_command_line(tmp_path, capsys):
     profile = tmp_path / "profile.json"
-    args = ["profile", "--model", "tiny-ouro", "--num-docs", "1", "--doc-tokens", "96", "--prefix", "0.5",
-            "--sink", "4", "--window", "16", "--page-size", "16", "--device", "cpu", "--out", str(profile)]
+    args = [
+        "profile",
+        "--model",
+        "tiny-ouro",
+        "--num-docs",
+        "1",
+        "--doc-tokens",
+        "96",
+        "--prefix",
+        "0.5",
+        "--sink",
+        "4",
+        "--window",
+        "16",
+        "--page-size",
+        "16",
+        "--device",
+        "cpu",
+        "--out",
+        str(profile),
+    ]
     assert main(args) == 0
     data = json.loads(profile.read_text())
     assert data["settings"]["source"]["documents"].startswith("fixture tiny-ouro")

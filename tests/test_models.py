@@ -58,8 +58,10 @@ def test_chunked_prefill_equals_one_shot(arch):
     one = FullLoopCache(model)
     full = model(ids, past_key_values=one, use_cache=True, **call_kwargs(arch)).logits
     chunked = FullLoopCache(model)
-    parts = [model(ids[:, a:b], past_key_values=chunked, use_cache=True, **call_kwargs(arch)).logits
-             for a, b in [(0, 5), (5, 6), (6, 17), (17, 23)]]
+    parts = [
+        model(ids[:, a:b], past_key_values=chunked, use_cache=True, **call_kwargs(arch)).logits
+        for a, b in [(0, 5), (5, 6), (6, 17), (17, 23)]
+    ]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
     for cell in model.loop_layout.cells():
         for x, y in zip(one.cell_states(cell), chunked.cell_states(cell)):

@@ -79,9 +79,7 @@ class LoopCache(Cache):
         if plan is None:
             plan = CachePlan.full(resolve_layout(model_layout, num_loops))
         elif not plan.layout.same_architecture(model_layout):
-            raise ValueError(
-                f"the plan is for {plan.layout.describe()}, but the model is {model_layout.describe()}"
-            )
+            raise ValueError(f"the plan is for {plan.layout.describe()}, but the model is {model_layout.describe()}")
         if num_loops is not None and num_loops != plan.layout.num_loops:
             raise ValueError(f"`num_loops` ({num_loops}) differs from the plan's loop count ({plan.layout.num_loops})")
         if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
@@ -131,7 +129,11 @@ class LoopCache(Cache):
         return self.layout.slot_to_flat(slot)
 
     def _check_states(self, key_states: torch.Tensor) -> None:
-        if key_states.dim() != 4 or key_states.shape[1] != self.layout.num_kv_heads or key_states.shape[3] != self.layout.head_dim:
+        if (
+            key_states.dim() != 4
+            or key_states.shape[1] != self.layout.num_kv_heads
+            or key_states.shape[3] != self.layout.head_dim
+        ):
             raise ValueError(
                 f"this cache is built for {self.layout.describe()}: keys must be [batch, {self.layout.num_kv_heads}, "
                 f"seq, {self.layout.head_dim}], got {tuple(key_states.shape)}"

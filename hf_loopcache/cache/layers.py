@@ -145,7 +145,11 @@ class _CodeStore:
 
     @staticmethod
     def _tensors(item: Any) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(item, f.name) for f in dataclasses.fields(item) if isinstance(getattr(item, f.name), torch.Tensor)}
+        return {
+            f.name: getattr(item, f.name)
+            for f in dataclasses.fields(item)
+            if isinstance(getattr(item, f.name), torch.Tensor)
+        }
 
     def append(self, item: Any) -> None:
         if self.buf is None or self.tokens == 0:
@@ -175,7 +179,9 @@ class _CodeStore:
         if self.tokens == self.buf.num_tokens:
             return self.buf
         ratio = {k: v.shape[2] / self.buf.num_tokens for k, v in self._tensors(self.buf).items()}
-        return dataclasses.replace(self.buf, **{k: v[:, :, : int(self.tokens * ratio[k])] for k, v in self._tensors(self.buf).items()})
+        return dataclasses.replace(
+            self.buf, **{k: v[:, :, : int(self.tokens * ratio[k])] for k, v in self._tensors(self.buf).items()}
+        )
 
     def truncate(self, tokens: int) -> None:
         self.tokens = min(self.tokens, tokens)
@@ -398,7 +404,11 @@ class WindowedLayer(LoopLayerBase):
 
     @property
     def _batch(self) -> int:
-        return self.sink_buf.k.shape[0] if self.sink_buf.k is not None else (self.recent.k.shape[0] if self.recent.k is not None else 0)
+        return (
+            self.sink_buf.k.shape[0]
+            if self.sink_buf.k is not None
+            else (self.recent.k.shape[0] if self.recent.k is not None else 0)
+        )
 
     # ---------------------------------------------------------------- boundaries
     def read_boundary(self, t: int) -> int:
@@ -465,7 +475,11 @@ class WindowedLayer(LoopLayerBase):
         p_end = self.sink + self.page * math.ceil((end - self.sink) / self.page)
         if p_end > self.length:  # an incomplete page cannot be coded as a flush would: read it exactly
             k, v = self.recent.view(start, end)
-            return k.float(), v.float(), (torch.zeros_like(v, dtype=torch.float32) if with_cold and self.nbits == 4 else None)
+            return (
+                k.float(),
+                v.float(),
+                (torch.zeros_like(v, dtype=torch.float32) if with_cold and self.nbits == 4 else None),
+            )
         k, v = self.recent.view(p_start, p_end)
         qk = quantize_keys(k, self.nbits, group_size=self.page, valid=self._valid_slice(p_start, p_end))
         qv = quantize_values(v, self.nbits, group_size=self.group)
@@ -477,7 +491,9 @@ class WindowedLayer(LoopLayerBase):
         return None if self._valid is None else self._valid[:, start:end]
 
     def _empty(self, length: int) -> torch.Tensor:
-        return torch.zeros(self._batch, self.num_heads or 0, length, self.head_dim or 0, device=getattr(self, "device", None))
+        return torch.zeros(
+            self._batch, self.num_heads or 0, length, self.head_dim or 0, device=getattr(self, "device", None)
+        )
 
     # ---------------------------------------------------------------- writes
     def _write(self, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None) -> None:
@@ -501,7 +517,9 @@ class WindowedLayer(LoopLayerBase):
             cap = self.source.represent_limit() + (q if complete else 0)
             target = min(target, max(self.hist_end, cap))
         if target > self.hist_end:
-            old_k, old_v = self.recent.view(self.hist_end, min(first_new, target)) if first_new > self.hist_end else (None, None)
+            old_k, old_v = (
+                self.recent.view(self.hist_end, min(first_new, target)) if first_new > self.hist_end else (None, None)
+            )
             take = max(0, target - first_new)
             moved_k = [t for t in (old_k, key[:, :, :take]) if t is not None and t.shape[2]]
             moved_v = [t for t in (old_v, value[:, :, :take]) if t is not None and t.shape[2]]

@@ -114,7 +114,9 @@ class CachePlan:
         def rule(cell: Cell) -> str:
             return "share" if cell.stage == "core" and cell.loop < final else "bf16"
 
-        return cls.from_rule(layout, rule, sink=sink, window=window, page_size=1, metadata={"preset": f"ripe-w{window}"})
+        return cls.from_rule(
+            layout, rule, sink=sink, window=window, page_size=1, metadata={"preset": f"ripe-w{window}"}
+        )
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -211,7 +213,17 @@ class CachePlan:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"`schema_version` must be {SCHEMA_VERSION}, got {version!r}")
-        allowed = {"schema_version", "layout", "sink", "window", "page_size", "group_size", "cells", "bytes_per_token", "metadata"}
+        allowed = {
+            "schema_version",
+            "layout",
+            "sink",
+            "window",
+            "page_size",
+            "group_size",
+            "cells",
+            "bytes_per_token",
+            "metadata",
+        }
         unknown = set(data) - allowed
         if unknown:
             raise ValueError(f"unknown plan fields {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -278,7 +290,9 @@ class CachePlan:
         from huggingface_hub import HfApi
 
         api = HfApi()
-        api.create_repo(repo_id, exist_ok=True, **{k: v for k, v in hub_kwargs.items() if k in ("private", "token", "repo_type")})
+        api.create_repo(
+            repo_id, exist_ok=True, **{k: v for k, v in hub_kwargs.items() if k in ("private", "token", "repo_type")}
+        )
         with tempfile.TemporaryDirectory() as tmp:
             path = self.save_pretrained(tmp)
             return api.upload_file(
@@ -297,8 +311,9 @@ class CachePlan:
         return [str(c) for c in cells]
 
 
-def loopkv_preset(layout: LoopLayout, name: str, *, sink: int = 32, window: int = 256, page_size: int = 32,
-                  group_size: int = 32) -> CachePlan:
+def loopkv_preset(
+    layout: LoopLayout, name: str, *, sink: int = 32, window: int = 256, page_size: int = 32, group_size: int = 32
+) -> CachePlan:
     """Named LoopKV baselines over one engine (LoopKV Sec. 5):
 
     - `kivi4` / `kivi2`: every cell INT4 / INT2 (KIVI-style codes, BF16 sink and window).

@@ -50,7 +50,9 @@ def parse_damage(value: float | str, kl_share: float | None) -> float:
     try:
         return float(text)
     except ValueError as err:
-        raise ValueError(f"`damage_budget` must be a KL like 2e-4 or a multiple of KL_share like '1.19x', got {value!r}") from err
+        raise ValueError(
+            f"`damage_budget` must be a KL like 2e-4 or a multiple of KL_share like '1.19x', got {value!r}"
+        ) from err
 
 
 def _base_plan(profile: CellProfile, choice: dict[Cell, str]) -> CachePlan:
@@ -133,19 +135,33 @@ def plan_from_profile(
         raise ValueError(f"`final_option` must be one of ('bf16', 'int4', 'int2'), got {final_option!r}")
     costs, fixed, unit = plan_costs(profile, options, final_option)
     fixed_damage = sum(profile.options_of(c)[final_option] for c in fixed)
-    fixed_bytes = sum(_base_plan(profile, {**dict.fromkeys(profile.layout.cells(), "bf16"), **fixed}).own_bytes_per_token(c)
-                      for c in fixed)
+    fixed_bytes = sum(
+        _base_plan(profile, {**dict.fromkeys(profile.layout.cells(), "bf16"), **fixed}).own_bytes_per_token(c)
+        for c in fixed
+    )
     budget = parse_damage(damage_budget, profile.kl_share)
     storage = parse_bytes(storage_budget)
     free_storage = None if storage is None else storage - fixed_bytes
     if free_storage is not None and free_storage < 0:
         raise ValueError(f"`storage_budget` ({storage} B) is below what the final loop alone stores ({fixed_bytes} B)")
     solution: KnapsackSolution = solve_knapsack(costs, budget - fixed_damage, free_storage, unit=unit)
-    return _finish(profile, fixed, fixed_damage, solution, options, final_option, {
-        "objective": "minimise read bytes per token", "damage_budget": budget,
-        "damage_budget_in_kl_share": budget / profile.kl_share if profile.kl_share else None,
-        "storage_budget_bytes_per_token": storage, "model_id": model_id, "revision": revision,
-    }, profile_path)
+    return _finish(
+        profile,
+        fixed,
+        fixed_damage,
+        solution,
+        options,
+        final_option,
+        {
+            "objective": "minimise read bytes per token",
+            "damage_budget": budget,
+            "damage_budget_in_kl_share": budget / profile.kl_share if profile.kl_share else None,
+            "storage_budget_bytes_per_token": storage,
+            "model_id": model_id,
+            "revision": revision,
+        },
+        profile_path,
+    )
 
 
 def plan_at_bytes(
@@ -169,10 +185,20 @@ def plan_at_bytes(
     if not fitting:
         raise ValueError(f"no plan stores <= {storage} B and reads <= {reads} B per token under this profile")
     best = min(fitting, key=lambda s: s.damage)
-    return _finish(profile, fixed, fixed_damage, best, options, final_option, {
-        "objective": "minimise predicted damage at given bytes", "storage_budget_bytes_per_token": storage,
-        "read_budget_bytes_per_token": reads,
-    }, profile_path)
+    return _finish(
+        profile,
+        fixed,
+        fixed_damage,
+        best,
+        options,
+        final_option,
+        {
+            "objective": "minimise predicted damage at given bytes",
+            "storage_budget_bytes_per_token": storage,
+            "read_budget_bytes_per_token": reads,
+        },
+        profile_path,
+    )
 
 
 def _finish(

@@ -46,7 +46,9 @@ class CellProfile:
         return {"bf16": 0.0, **self.damage.get(cell, {})}
 
     def is_complete(self, options: Sequence[str]) -> bool:
-        return all(set(_options_for(self.layout, c, options)) <= set(self.damage.get(c, {})) for c in self.layout.cells())
+        return all(
+            set(_options_for(self.layout, c, options)) <= set(self.damage.get(c, {})) for c in self.layout.cells()
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -131,9 +133,16 @@ def profile_cells(
     layout: LoopLayout = model.loop_layout
     docs = [d.reshape(-1) for d in documents]
     settings = {
-        "sink": sink, "window": window, "page_size": page_size, "group_size": group_size, "prefix": prefix,
-        "documents": len(docs), "tokens": [int(d.numel()) for d in docs], "documents_sha256_16": _documents_hash(docs),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "forward_kwargs": _jsonable(forward_kwargs),
+        "sink": sink,
+        "window": window,
+        "page_size": page_size,
+        "group_size": group_size,
+        "prefix": prefix,
+        "documents": len(docs),
+        "tokens": [int(d.numel()) for d in docs],
+        "documents_sha256_16": _documents_hash(docs),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "forward_kwargs": _jsonable(forward_kwargs),
         "source": source or {},
     }
     profile = CellProfile(layout, {}, None, settings)
@@ -146,7 +155,9 @@ def profile_cells(
             profile = previous
             log(f"resuming from {out_path}: {sum(map(len, previous.damage.values()))} measurements already done")
         else:
-            raise ValueError(f"{out_path} holds a profile with other settings or another layout; remove it or pick another path")
+            raise ValueError(
+                f"{out_path} holds a profile with other settings or another layout; remove it or pick another path"
+            )
 
     device = next(model.parameters()).device
     refs = reference_logits(model, docs, **forward_kwargs)
@@ -156,7 +167,9 @@ def profile_cells(
         total, count = 0.0, 0
         for doc, ref, cut in zip(docs, refs, cuts):
             cache = LoopCache(model, plan)
-            logits = replay_logits(model, doc[None].to(device), cache, prefix=cut, block=window + 1, **forward_kwargs)[0]
+            logits = replay_logits(model, doc[None].to(device), cache, prefix=cut, block=window + 1, **forward_kwargs)[
+                0
+            ]
             kl = kl_per_position(ref[cut:], logits)
             total += float(kl.double().sum())
             count += kl.numel()
@@ -164,16 +177,25 @@ def profile_cells(
 
     def single(cell: Cell, option: str) -> CachePlan:
         return CachePlan.from_rule(
-            layout, lambda c: option if c == cell else "bf16", sink=sink, window=window, page_size=page_size, group_size=group_size
+            layout,
+            lambda c: option if c == cell else "bf16",
+            sink=sink,
+            window=window,
+            page_size=page_size,
+            group_size=group_size,
         )
 
-    todo = [(c, o) for c in layout.cells() for o in _options_for(layout, c, options) if o not in profile.damage.get(c, {})]
+    todo = [
+        (c, o) for c in layout.cells() for o in _options_for(layout, c, options) if o not in profile.damage.get(c, {})
+    ]
     need_share_ref = profile.kl_share is None and layout.num_loops >= 2
     arms = len(todo) + int(need_share_ref)
     if progress and arms:  # cost estimate before starting: time one replay of the first document
         tick = time.perf_counter()
         with torch.no_grad():
-            replay_logits(model, docs[0][None].to(device), LoopCache(model), prefix=cuts[0], block=window + 1, **forward_kwargs)
+            replay_logits(
+                model, docs[0][None].to(device), LoopCache(model), prefix=cuts[0], block=window + 1, **forward_kwargs
+            )
         per = time.perf_counter() - tick
         log(
             f"profiling {arms} arms (cell x option) x {len(docs)} documents on {device}: about "
@@ -185,7 +207,10 @@ def profile_cells(
         plan = CachePlan.from_rule(
             layout,
             lambda c: "share" if c.stage == "core" and c.loop == share_loop else "bf16",
-            sink=sink, window=window, page_size=page_size, group_size=group_size,
+            sink=sink,
+            window=window,
+            page_size=page_size,
+            group_size=group_size,
         )
         profile.kl_share = arm_damage(plan)
     bar = _progress(len(todo), enabled=progress)
@@ -194,7 +219,9 @@ def profile_cells(
         bar.update(1)
         last_of_cell = i + 1 == len(todo) or todo[i + 1][0] != cell
         if out_path is not None and last_of_cell:
-            profile.settings["elapsed_s"] = round(profile.settings.get("elapsed_s", 0.0) + time.perf_counter() - start, 1)
+            profile.settings["elapsed_s"] = round(
+                profile.settings.get("elapsed_s", 0.0) + time.perf_counter() - start, 1
+            )
             start = time.perf_counter()
             profile.save(out_path)
     bar.close()

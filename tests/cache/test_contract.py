@@ -13,7 +13,10 @@ def _caches(model):
     plan = CachePlan.from_rule(
         model.loop_layout,
         lambda c: "share" if c.stage == "core" and c.loop == 0 else "int4",
-        sink=2, window=4, page_size=4, group_size=8,
+        sink=2,
+        window=4,
+        page_size=4,
+        group_size=8,
     )
     return {
         "full": FullLoopCache(model),
@@ -61,11 +64,15 @@ def test_batch_operations_match_a_cache_built_for_the_selected_rows(arch, kind):
         return model(nxt[rows], past_key_values=cache, use_cache=True, **kw).logits
 
     rows = torch.tensor([2, 0])
-    torch.testing.assert_close(logits_after(lambda c: c.batch_select_indices(rows), rows), fresh(rows), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        logits_after(lambda c: c.batch_select_indices(rows), rows), fresh(rows), atol=1e-5, rtol=1e-5
+    )
     rows = torch.tensor([1, 1, 0, 2])
     torch.testing.assert_close(logits_after(lambda c: c.reorder_cache(rows), rows), fresh(rows), atol=1e-5, rtol=1e-5)
     rows = torch.tensor([0, 0, 1, 1, 2, 2])
-    torch.testing.assert_close(logits_after(lambda c: c.batch_repeat_interleave(2), rows), fresh(rows), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        logits_after(lambda c: c.batch_repeat_interleave(2), rows), fresh(rows), atol=1e-5, rtol=1e-5
+    )
 
 
 @torch.no_grad()

@@ -43,7 +43,9 @@ def test_plan_rejects_missing_cells_and_bad_sizes():
 def test_plan_json_round_trip(tmp_path):
     plan = CachePlan.from_rule(
         TINY,
-        lambda c: "share" if c.stage == "core" and c.loop == 1 else ("int2" if c.stage == "core" and c.loop == 0 else "int4"),
+        lambda c: (
+            "share" if c.stage == "core" and c.loop == 1 else ("int2" if c.stage == "core" and c.loop == 0 else "int4")
+        ),
         sink=4,
         window=8,
         page_size=32,
@@ -103,7 +105,12 @@ def test_stored_bytes_follow_the_plan_while_decoding(plan_name):
         plan = CachePlan.ripe(layout, window=5, sink=2)
     else:
         plan = CachePlan.from_rule(
-            layout, lambda c: "share" if c.stage == "core" and c.loop == 0 else "int4", sink=3, window=7, page_size=4, group_size=16
+            layout,
+            lambda c: "share" if c.stage == "core" and c.loop == 0 else "int4",
+            sink=3,
+            window=7,
+            page_size=4,
+            group_size=16,
         )
     cache = LoopCache(layout, plan)
     _fill(cache, layout, 9)
@@ -132,7 +139,14 @@ def _prompt(length: int, seed: int = 0) -> torch.Tensor:
 def test_ripe_with_a_window_covering_everything_equals_the_full_cache(arch):
     model = make_model(arch)
     ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40]])
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **call_kwargs(arch))
+    kw = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **call_kwargs(arch),
+    )
     ripe = model.generate(ids, past_key_values=RIPECache(model, window=64), **kw)
     full = model.generate(ids, **kw)
     assert torch.equal(ripe.sequences, full.sequences)
@@ -166,7 +180,11 @@ def test_proposition1_block_verification_equals_sequential_decoding(arch, window
     model(ids[:, :20], past_key_values=sequential, use_cache=True, **kw)
     model(ids[:, :20], past_key_values=block, use_cache=True, **kw)
     one_by_one = torch.cat(
-        [model(ids[:, t : t + 1], past_key_values=sequential, use_cache=True, **kw).logits for t in range(20, 21 + gamma)], 1
+        [
+            model(ids[:, t : t + 1], past_key_values=sequential, use_cache=True, **kw).logits
+            for t in range(20, 21 + gamma)
+        ],
+        1,
     )
     at_once = model(ids[:, 20 : 21 + gamma], past_key_values=block, use_cache=True, **kw).logits
     torch.testing.assert_close(at_once, one_by_one, atol=1e-10, rtol=1e-10)
@@ -184,7 +202,9 @@ def test_deepest_plane_breaks_block_independence(arch):
     sequential, block = DeepestPlaneCache(model), DeepestPlaneCache(model)
     model(ids[:, :20], past_key_values=sequential, use_cache=True, **kw)
     model(ids[:, :20], past_key_values=block, use_cache=True, **kw)
-    one_by_one = torch.cat([model(ids[:, t : t + 1], past_key_values=sequential, use_cache=True, **kw).logits for t in range(20, 24)], 1)
+    one_by_one = torch.cat(
+        [model(ids[:, t : t + 1], past_key_values=sequential, use_cache=True, **kw).logits for t in range(20, 24)], 1
+    )
     at_once = model(ids[:, 20:24], past_key_values=block, use_cache=True, **kw).logits
     torch.testing.assert_close(at_once[:, :1], one_by_one[:, :1], atol=1e-10, rtol=1e-10)  # the first token agrees
     assert (at_once[:, 1:] - one_by_one[:, 1:]).abs().max() > 1e-6  # later ones depend on where the block starts
@@ -212,8 +232,15 @@ def test_padding_is_never_read_by_ripe(arch):
     model = make_model(arch)
     ids = torch.tensor([[0, 0, 0, 5, 9, 17, 33, 12, 8, 40, 7, 7, 9]])
     mask = (ids != 0).long()
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
-              return_dict_in_generate=True, **call_kwargs(arch))
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **call_kwargs(arch),
+    )
     a = model.generate(ids, past_key_values=RIPECache(model, window=2), **kw)
     other = ids.clone()
     other[0, :3] = torch.tensor([44, 45, 46])  # different tokens under the padding mask

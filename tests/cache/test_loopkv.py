@@ -52,8 +52,12 @@ def test_history_holds_the_codec_of_the_exact_keys_and_values(arch, name):
         kc, vc = coded.cell_states(cell)
         torch.testing.assert_close(kc[:, :, :sink], k[:, :, :sink], atol=0, rtol=0)  # sink exact
         torch.testing.assert_close(kc[:, :, hist_end:], k[:, :, hist_end:], atol=0, rtol=0)  # window exact
-        torch.testing.assert_close(kc[:, :, sink:hist_end], fake_quantize_keys(k[:, :, sink:hist_end], nbits, group_size=8))
-        torch.testing.assert_close(vc[:, :, sink:hist_end], fake_quantize_values(v[:, :, sink:hist_end], nbits, group_size=16))
+        torch.testing.assert_close(
+            kc[:, :, sink:hist_end], fake_quantize_keys(k[:, :, sink:hist_end], nbits, group_size=8)
+        )
+        torch.testing.assert_close(
+            vc[:, :, sink:hist_end], fake_quantize_values(v[:, :, sink:hist_end], nbits, group_size=16)
+        )
 
 
 @torch.no_grad()
@@ -66,8 +70,13 @@ def test_error_against_the_uncached_model_grows_as_bits_fall(arch):
     for name in ("kivi4", "kivi2"):
         cache = LoopKVCache(model, _small_plan(model.loop_layout, name), tau=None)
         model(ids[:, :40], past_key_values=cache, use_cache=True, **call_kwargs(arch))
-        logits = torch.cat([model(ids[:, t : t + 9], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
-                            for t in range(40, 80, 9)], dim=1)[0]
+        logits = torch.cat(
+            [
+                model(ids[:, t : t + 9], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
+                for t in range(40, 80, 9)
+            ],
+            dim=1,
+        )[0]
         errors[name] = (logits - exact).abs().max().item()
     assert 0 < errors["kivi4"] < errors["kivi2"]
 
@@ -126,7 +135,9 @@ def test_block_reads_equal_sequential_reads_for_coded_plans(arch, name):
     kw = call_kwargs(arch)
     model(ids[:, :40], past_key_values=seq, use_cache=True, **kw)
     model(ids[:, :40], past_key_values=blk, use_cache=True, **kw)
-    one = torch.cat([model(ids[:, t : t + 1], past_key_values=seq, use_cache=True, **kw).logits for t in range(40, 49)], 1)
+    one = torch.cat(
+        [model(ids[:, t : t + 1], past_key_values=seq, use_cache=True, **kw).logits for t in range(40, 49)], 1
+    )
     at_once = model(ids[:, 40:49], past_key_values=blk, use_cache=True, **kw).logits
     torch.testing.assert_close(at_once, one, atol=1e-9, rtol=1e-9)
     assert seq.stored_bytes() == blk.stored_bytes()
@@ -158,11 +169,27 @@ def test_generate_with_loopkv_presets(arch):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     for name in ("kivi4", "kivi2", "kivi4-share", "hand"):
-        out = model.generate(ids, attention_mask=mask, past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, name)),
-                             max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, name)),
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+            **call_kwargs(arch),
+        )
         assert out.shape == (1, ids.shape[1] + 20)
-    beams = model.generate(ids, past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, "hand")), num_beams=2,
-                           max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+    beams = model.generate(
+        ids,
+        past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, "hand")),
+        num_beams=2,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        **call_kwargs(arch),
+    )
     assert beams.shape == (1, ids.shape[1] + 12)
 
 

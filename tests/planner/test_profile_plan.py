@@ -83,7 +83,9 @@ def test_read_and_memory_optimised_plans_respect_their_budgets(profile):
     mem_opt = plan_from_profile(prof, damage_budget="4x", storage_budget=tight)
     assert mem_opt.bytes_per_token()[0] <= tight
     assert mem_opt.counts()["share"] > 0
-    assert {c: o for c, o in mem_opt.options.items() if c.loop == prof.layout.final_loop and c.stage == "core"} == dict.fromkeys(prof.layout.core_cells(prof.layout.final_loop), "int4")
+    assert {
+        c: o for c, o in mem_opt.options.items() if c.loop == prof.layout.final_loop and c.stage == "core"
+    } == dict.fromkeys(prof.layout.core_cells(prof.layout.final_loop), "int4")
     with pytest.raises(ValueError, match="damage"):
         plan_from_profile(prof, damage_budget=0.0)
 
@@ -104,5 +106,7 @@ def test_plan_cli_writes_a_loadable_plan(profile, tmp_path, setup):
     plan = CachePlan.from_pretrained(tmp_path / "plan")
     data = json.loads((tmp_path / "plan" / "loopcache_plan.json").read_text())
     assert data["metadata"]["planner"] == "loopkv-knapsack" and data["metadata"]["profile"]["documents"] == 2
-    out = model.generate(docs[0][None, :20], past_key_values=LoopKVCache(model, plan), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        docs[0][None, :20], past_key_values=LoopKVCache(model, plan), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
     assert out.shape[1] >= 21

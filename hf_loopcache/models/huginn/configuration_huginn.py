@@ -83,12 +83,21 @@ class HuginnConfig(PretrainedConfig):
         n_layers = n_layers if n_layers is not None else kwargs.pop("num_hidden_layers", None)
         tie_word_embeddings = kwargs.pop("tie_word_embeddings", True)
         tie_embeddings = tie_embeddings if tie_embeddings is not None else tie_word_embeddings
-        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim",
-                    "init_values", "effective_expected_depth"):
+        for key in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "head_dim",
+            "init_values",
+            "effective_expected_depth",
+        ):
             kwargs.pop(key, None)
         self.n_embd = n_embd
         self.n_heads = n_heads
-        self.n_layers = n_layers if n_layers is not None else n_layers_in_prelude + n_layers_in_recurrent_block + n_layers_in_coda
+        self.n_layers = (
+            n_layers if n_layers is not None else n_layers_in_prelude + n_layers_in_recurrent_block + n_layers_in_coda
+        )
         self.block_size = block_size
         self.vocab_size = self.padded_vocab_size = vocab_size
         self.padding_multiple = padding_multiple
@@ -124,7 +133,9 @@ class HuginnConfig(PretrainedConfig):
 
     @property
     def effective_expected_depth(self) -> int:
-        return self.n_layers_in_prelude + self.n_layers_in_coda + self.n_layers_in_recurrent_block * self.mean_recurrence
+        return (
+            self.n_layers_in_prelude + self.n_layers_in_coda + self.n_layers_in_recurrent_block * self.mean_recurrence
+        )
 
     @property
     def init_values(self) -> dict[str, float]:
@@ -155,8 +166,12 @@ class HuginnConfig(PretrainedConfig):
         }
         for name, allowed in fixed.items():
             if getattr(self, name) != allowed:
-                raise ValueError(f"`{name}` must be {allowed!r} (the released architecture), got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"`{name}` must be {allowed!r} (the released architecture), got {getattr(self, name)!r}"
+                )
         if self.test_time_noise:
-            raise ValueError(f"`test_time_noise` must be 0 (noise injection is not implemented), got {self.test_time_noise}")
+            raise ValueError(
+                f"`test_time_noise` must be 0 (noise injection is not implemented), got {self.test_time_noise}"
+            )
         if self.mean_recurrence < 1:
             raise ValueError(f"`mean_recurrence` must be a positive int, got {self.mean_recurrence}")

@@ -34,7 +34,9 @@ __all__ = ["HuginnCausalLMOutput", "HuginnForCausalLM", "HuginnPreTrainedModel"]
 
 
 def _rope_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim)
+    )
     freqs = position_ids.float()[..., None] * inv_freq  # [B, q, D/2]
     return freqs.cos()[:, :, None], freqs.sin()[:, :, None]  # [B, q, 1, D/2]
 
@@ -244,7 +246,9 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             num_steps = tuple(int(x) for x in num_steps.flatten())
         if isinstance(num_steps, (tuple, list)):
             if len(num_steps) != 2:
-                raise ValueError(f"`num_steps` as a pair must be (steps_without_grad, steps_with_grad), got {num_steps!r}")
+                raise ValueError(
+                    f"`num_steps` as a pair must be (steps_without_grad, steps_with_grad), got {num_steps!r}"
+                )
             no_grad, with_grad = (int(x) for x in num_steps)
             if no_grad < 0 or with_grad < 0 or no_grad + with_grad < 1:
                 raise ValueError(f"`num_steps` pair must be non-negative with a positive sum, got {num_steps!r}")

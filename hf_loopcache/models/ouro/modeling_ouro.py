@@ -307,7 +307,9 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         exit_at_step = exit_at_step if exit_at_step is not None else self.config.early_exit_step
         exit_threshold = exit_threshold if exit_threshold is not None else self.config.early_exit_threshold
         if exit_at_step is not None and not -len(loop_hidden) <= exit_at_step < len(loop_hidden):
-            raise ValueError(f"`exit_at_step` must be in [0, {len(loop_hidden) - 1}] for {len(loop_hidden)} loops, got {exit_at_step}")
+            raise ValueError(
+                f"`exit_at_step` must be in [0, {len(loop_hidden) - 1}] for {len(loop_hidden)} loops, got {exit_at_step}"
+            )
         gates = outputs.exit_gate_logits
         pdf = exit_distribution(tuple(select(g) for g in gates)) if gates else None
 
