@@ -15,6 +15,7 @@ REGISTRY = {
     "generate": ("benchmarks.bench_generate", "tests/test_models.py"),
     "ripe-windows": ("benchmarks.bench_ripe_windows", "tests/cache/test_engine.py"),
     "loopkv-planner": ("benchmarks.bench_loopkv_planner", "tests/planner/test_profile_plan.py"),
+    "v-precision": ("benchmarks.bench_v_precision", "tests/cache/test_loopkv.py"),
 }
 
 

@@ -92,6 +92,8 @@ class LoopCache(Cache):
         self.layout = plan.layout
         self.max_rollback = max_rollback
         self.v_precision = v_precision
+        #: with `track_v_precision()`, counts of INT4 history value reads ("history") and of those read cold ("cold")
+        self.v_precision_stats: dict[str, float] | None = None
         self._depth_complete = True
         layers: list[LoopLayerBase] = [None] * self.layout.num_cells  # type: ignore[list-item]
         for cell in self.layout.cells():  # sources first: shared cells point at them
@@ -229,6 +231,12 @@ class LoopCache(Cache):
         """Keys and values of one cell (a `Cell` or a slot) as it reads them, `[B, H_kv, T, D]`."""
         layer = self.cells[self._flat(cell)] if isinstance(cell, int) else self.layer_for(cell)
         return layer.full_states()
+
+    def track_v_precision(self) -> dict[str, float]:
+        """Start counting, per query row, head and token, the INT4 history values read hot and cold (syncs the device
+        once per cell call; for measurement, not serving). Returns the live counter dict."""
+        self.v_precision_stats = {"cold": 0.0, "history": 0.0}
+        return self.v_precision_stats
 
     def nbytes(self) -> int:
         """Bytes of GPU/CPU memory the cache's tensors occupy (allocated capacity, including growth slack)."""

@@ -608,7 +608,8 @@ class WindowedLayer(LoopLayerBase):
             mask = (pos[None, :] >= limits)[None, None] if limits is not None else None
             segments.append(Segment(k, v, _and(mask, _padding_only(queries, pos, key_valid))))
         segments.append(Segment(key, value, causal_padding_mask(queries, queries, key_valid)))
-        out = segmented_attention(query, segments, scaling=inputs.scaling, v_precision=v_precision)
+        stats = self.owner.v_precision_stats if self.owner is not None and v_precision is not None else None
+        out = segmented_attention(query, segments, scaling=inputs.scaling, v_precision=v_precision, stats=stats)
         self._write(key, value, key_valid)
         return out
 
