@@ -15,23 +15,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import transformers
-from packaging.version import Version
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-__all__ = [
-    "CACHE_KWARG",
-    "MAX_TRANSFORMERS",
-    "MIN_TRANSFORMERS",
-    "OUTPUT_CACHE_FIELD",
-    "TRANSFORMERS_VERSION",
-    "pop_cache_kwarg",
-]
-
-TRANSFORMERS_VERSION = Version(transformers.__version__)
-MIN_TRANSFORMERS = Version("5.17.0")
-MAX_TRANSFORMERS = Version("5.25.0")  # exclusive
+__all__ = ["CACHE_KWARG", "OUTPUT_CACHE_FIELD", "cache_argument"]
 
 #: name under which `generate` hands the cache to `forward` and keeps it in `model_kwargs`
 CACHE_KWARG: str = (
@@ -43,7 +30,7 @@ CACHE_KWARG: str = (
 OUTPUT_CACHE_FIELD: str = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def pop_cache_kwarg(past_key_values: Any, cache: Any, kwargs: dict[str, Any]) -> Any:
+def cache_argument(past_key_values: Any, cache: Any) -> Any:
     """The cache passed to a forward under either name (`past_key_values=` or `cache=`); both at once is an error."""
     if past_key_values is not None and cache is not None:
         raise ValueError("Pass the cache as either `past_key_values=` or `cache=`, not both.")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from hf_loopcache.layout import Cell, LoopLayout
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Mapping
 
 __all__ = ["LOOPKV_PRESETS", "OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan", "loopkv_preset"]
 
@@ -305,10 +305,6 @@ class CachePlan:
 
     def with_metadata(self, **metadata: Any) -> CachePlan:
         return dataclasses.replace(self, metadata={**self.metadata, **metadata})
-
-    @staticmethod
-    def describe_cells(cells: Iterable[Cell]) -> list[str]:
-        return [str(c) for c in cells]
 
 
 def loopkv_preset(

@@ -25,7 +25,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from hf_loopcache._compat import OUTPUT_CACHE_FIELD, pop_cache_kwarg
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import LoopForward, LoopGenerationMixin, RMSNorm, check_num_loops
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
@@ -288,7 +288,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
             cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
         """
-        cache = pop_cache_kwarg(past_key_values, cache, kwargs)
+        cache = cache_argument(past_key_values, cache)
         details = {"return_logits": True, "return_latents": True, "return_head": False, **(output_details or {})}
         if details.get("return_stats"):
             raise ValueError("`output_details['return_stats']` is not supported by hf_loopcache's Huginn model")

@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from hf_loopcache._compat import OUTPUT_CACHE_FIELD, pop_cache_kwarg
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import LoopForward, LoopGenerationMixin, RMSNorm, check_num_loops
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
@@ -184,7 +184,7 @@ class OuroModel(OuroPreTrainedModel):
             past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
             cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
         """
-        cache = pop_cache_kwarg(past_key_values, cache, kwargs)
+        cache = cache_argument(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         num_loops = check_num_loops(self.config.total_ut_steps if num_loops is None else num_loops, "num_loops")
@@ -287,7 +287,7 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
                 exit distribution.
             output_hidden_states (`bool`, *optional*): return the per-loop normed hidden states as `hidden_states`.
         """
-        cache = pop_cache_kwarg(past_key_values, cache, kwargs)
+        cache = cache_argument(past_key_values, cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
