@@ -19,37 +19,10 @@ RESULTS = Path(__file__).parent / "results"
 
 #: real-size shapes (random weights: speed and memory do not depend on the values)
 SHAPES: dict[str, Any] = {
-    "ouro-1.4b": lambda: OuroForCausalLM(
-        OuroConfig(
-            vocab_size=49152,
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            total_ut_steps=4,
-            max_position_embeddings=65536,
-            rope_theta=1e6,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-    ),
+    # the configs' defaults are the released shapes (Ouro-1.4B; Huginn-0125); Ouro-2.6B has 48 layers
+    "ouro-1.4b": lambda: OuroForCausalLM(OuroConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)),
     "ouro-2.6b": lambda: OuroForCausalLM(
-        OuroConfig(
-            vocab_size=49152,
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=48,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            total_ut_steps=4,
-            max_position_embeddings=65536,
-            rope_theta=1e6,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
+        OuroConfig(num_hidden_layers=48, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ),
     "huginn-0125": lambda: HuginnForCausalLM(HuginnConfig(bos_token_id=65504, eos_token_id=65505, pad_token_id=65509)),
     # small shapes to check the benchmark code itself on a CPU
