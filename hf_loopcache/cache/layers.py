@@ -33,6 +33,7 @@ from hf_loopcache.attention import (
     dense_attention,
     segmented_attention,
 )
+from hf_loopcache.cache.plan import window_boundary
 from triton_ops.quant import (
     dequantize_keys,
     dequantize_values,
@@ -413,11 +414,11 @@ class WindowedLayer(LoopLayerBase):
     # ---------------------------------------------------------------- boundaries
     def read_boundary(self, t: int) -> int:
         """`H(t)`: the query at position `t` reads positions `[S, H(t))` from the history."""
-        return self.sink + self.page * (max(0, t - self.sink - self.window) // self.page)
+        return window_boundary(t, sink=self.sink, window=self.window, page_size=self.page)
 
     def keep_boundary(self, length: int) -> int:
         """History boundary to keep after reaching `length` positions (the rollback reserve stays at full precision)."""
-        return self.sink + self.page * (max(0, length - self.sink - self.window - self.rollback) // self.page)
+        return self.read_boundary(length - self.rollback)
 
     def history_boundary(self, t: int) -> int:
         """Positions `[S, history_boundary(t))` are read from the history by the query at position `t >= length`:

@@ -27,11 +27,17 @@ from hf_loopcache.layout import Cell, LoopLayout
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["LOOPKV_PRESETS", "OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan", "loopkv_preset"]
+__all__ = ["LOOPKV_PRESETS", "OPTIONS", "PLAN_FILE", "SCHEMA_VERSION", "CachePlan", "loopkv_preset", "window_boundary"]
 
 OPTIONS = ("bf16", "int4", "int2", "share")
 PLAN_FILE = "loopcache_plan.json"
 SCHEMA_VERSION = 1
+
+
+def window_boundary(position: int, *, sink: int, window: int, page_size: int) -> int:
+    """`H(t) = S + P * floor(max(0, t - S - W) / P)`: positions `[S, H(t))` are history for the query at `t` (and
+    `H(length - rollback)` is where a cell's full-precision window starts)."""
+    return sink + page_size * (max(0, position - sink - window) // page_size)
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,7 @@ class CachePlan:
 
     def keep_boundary(self, length: int, rollback: int = 0) -> int:
         """First position kept at full precision in the recent window of a windowed cell at `length` positions."""
-        spare = max(0, length - self.sink - self.window - rollback)
-        return self.sink + self.page_size * (spare // self.page_size)
+        return window_boundary(length - rollback, sink=self.sink, window=self.window, page_size=self.page_size)
 
     def expected_stored_bytes(self, length: int, rollback: int = 0) -> int:
         """Bytes a cache following this plan stores (live, excluding allocator slack) at `length` positions."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -77,8 +77,8 @@ class LoopForward:
                 f"the cache must be a `transformers.Cache` (e.g. `hf_loopcache.FullLoopCache(model)`), "
                 f"got {type(cache).__name__}"
             )
-        if isinstance(cache, LoopAttentionCache) and getattr(cache, "is_loop_cache", False):
-            cache.begin_forward(layout, num_loops, query_length)
+        if getattr(cache, "is_loop_cache", False):  # a LoopAttentionCache
+            cast("LoopAttentionCache", cache).begin_forward(layout, num_loops, query_length)
         elif cache is not None:
             _check_foreign_cache(cache, layout.with_loops(num_loops))
         past = cache.get_seq_length() if cache is not None else 0
