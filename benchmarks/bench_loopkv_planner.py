@@ -82,9 +82,12 @@ def main(argv: list[str] | None = None) -> None:
             profile, damage_budget=factor * kivi4_damage
         )
     hand_stored, _ = plans["hand"].bytes_per_token()
-    plans["knapsack M (3x KIVI-4 damage, hand's storage)"] = plan_from_profile(
-        profile, damage_budget=3.0 * kivi4_damage, storage_budget=hand_stored
-    )
+    try:
+        plans["knapsack M (3x KIVI-4 damage, hand's storage)"] = plan_from_profile(
+            profile, damage_budget=3.0 * kivi4_damage, storage_budget=hand_stored
+        )
+    except ValueError as err:  # the damage budget may be out of reach at that storage on this model
+        print(f"no knapsack M plan (3x KIVI-4 damage at hand's storage): {err}")
     equal = {}
     for base in ("kivi4", "kivi4-share", "hand", "kivi2"):
         stored, read = plans[base].bytes_per_token()

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate with a looped-model cache and report its bytes")
     demo.add_argument("--model", default="tiny-ouro")
-    demo.add_argument("--prompt", default="And God said")
+    demo.add_argument("--prompt", default="And the LORD spake unto Moses, saying,")
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--repetition-penalty", type=float, default=1.2)
     demo.add_argument("--cache", choices=CACHE_CHOICES, default="full")
