@@ -6,7 +6,8 @@ cell reads its source exactly here (the source's own coding error is charged to 
 `d(c, share)` is the cost of reading the final loop's keys and values instead of its own. The profile also measures
 `KL_share`, the whole-loop reference of the paper: the loop before the last shares the final loop in every layer.
 
-The profile is resumable: results are written to `out_path` after every cell and reused when the settings match.
+The profile is resumable: results are written to `out_path` after every cell and reused when the settings match (the
+same documents, storage settings, dtype and weights: a fingerprint of the state dict is part of the settings).
 """
 
 from __future__ import annotations
@@ -96,6 +97,16 @@ def _documents_hash(documents: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def _weights_hash(model: Any) -> str:
+    """Fingerprint of the model's weights: a profile resumes only on the weights it measured (a retrained model of
+    the same name and layout must not reuse another's damages)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def profile_cells(
     model: Any,
     documents: Sequence[torch.Tensor],
@@ -141,6 +152,7 @@ def profile_cells(
         "documents": len(docs),
         "tokens": [int(d.numel()) for d in docs],
         "documents_sha256_16": _documents_hash(docs),
+        "weights_sha256_16": _weights_hash(model),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "forward_kwargs": _jsonable(forward_kwargs),
         "source": source or {},

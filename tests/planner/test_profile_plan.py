@@ -71,6 +71,10 @@ def test_profile_resumes_without_measuring_again(setup, profile, monkeypatch):
     with pytest.raises(ValueError, match="other settings"):
         profile_cells(model, docs, prefix=16, out_path=path, progress=False, **{**STORAGE, "window": 4})
     assert CellProfile.load(path).to_dict() == prof.to_dict()
+    # the same layout and documents with other weights (a retrained model) must not resume from these damages
+    other = make_model("ouro", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, seed=1)
+    with pytest.raises(ValueError, match="other settings"):
+        profile_cells(other, docs, prefix=16, out_path=path, progress=False, **STORAGE)
 
 
 def test_read_and_memory_optimised_plans_respect_their_budgets(profile):
