@@ -189,7 +189,8 @@ class CachePlan:
         counts = ", ".join(f"{k} {v}" for k, v in self.counts().items() if v)
         return (
             f"{counts}; sink {self.sink}, window {self.window}, page {self.page_size}; "
-            f"{stored / 1024:.1f} KiB stored / {read / 1024:.1f} KiB read per history token"
+            f"{stored / 1024:.1f} KiB stored / {read / 1024:.1f} KiB read per history token at "
+            f"{self.layout.bytes_per_element} B per full-precision element"
         )
 
     # ------------------------------------------------------------------------------ serialisation
