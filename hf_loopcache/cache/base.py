@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.plan import CachePlan
-from hf_loopcache.cache.read import ReadState, VPrecisionStats, effective_positions
+from hf_loopcache.cache.read import ReadState, VPrecisionStats
 from hf_loopcache.layout import Cell, LoopLayout
 
 __all__ = ["LoopCache", "resolve_layout"]
@@ -173,7 +173,6 @@ class LoopCache(Cache):
                 draft_loops=self._draft_loops,
                 v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
                 v_precision_stats=self._v_precision_stats,
-                effective=effective_positions(inputs.key_valid),
             )
             self._read = (inputs, state)
         return self._read[1]
