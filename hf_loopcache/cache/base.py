@@ -43,8 +43,13 @@ class LoopCache(Cache):
     Native models (`hf_loopcache.models`) call `begin_forward(...)` once per forward and then `attend(slot, ...)` per
     cell, which reads each cell's storage as stored (full precision, codes, or another cell's storage) through
     `triton_ops.coded_attention`; everything a read depends on reaches the cell as one `ReadState` argument. Foreign
-    code can use the plain `update(k, v, slot)` path, which returns every position as the cell reads it (decoded). Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn:
-    prelude `0..P-1`, core `P + n_core * step + layer`, coda `-1, -2`).
+    code can use the plain `update(k, v, slot)` path, which returns every position as the cell reads it (decoded).
+    Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn: prelude `0..P-1`, core
+    `P + n_core * step + layer`, coda `-1, -2`).
+
+    Self-speculation: a forward with fewer loops than the cache holds is a draft (`draft_loops`); `rollback(length)`
+    cuts every cell back (exact within `max_rollback`), and rows may hold *holes* (padded positions after a row's
+    first real token) that the reading rule skips per row.
 
     Args:
         model_or_layout: a native looped model, its config, or a `LoopLayout`.
