@@ -209,6 +209,23 @@ def test_reserved_storage_is_never_regrown(arch):
     assert cache.nbytes() == allocated
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("rollback", [0, 5, 13])
+def test_stored_bytes_with_a_rollback_reserve_follow_the_plan(arch, rollback):
+    """A coded cell holds the pages that left the window as codes and its last `W + rollback` positions at full
+    precision (the reserve is held both ways); `CachePlan.expected_stored_bytes(length, rollback)` says so."""
+    model = _model(arch, torch.bfloat16)  # the plan counts 2 bytes per full-precision element
+    plan = loopkv_preset(model.loop_layout, "kivi4-share", **PLAN)
+    cache = LoopKVCache(model, plan, max_rollback=rollback)
+    kw = call_kwargs(arch)
+    model(_ids(30), past_key_values=cache, use_cache=True, **kw)
+    for t in range(30, 70):
+        model(_ids(1, seed=t), past_key_values=cache, use_cache=True, **kw)
+        assert cache.stored_bytes() == plan.expected_stored_bytes(t + 1, rollback), t
+    model(_ids(6, seed=99), past_key_values=cache, use_cache=True, **kw)  # a block
+    assert cache.stored_bytes() == plan.expected_stored_bytes(76, rollback)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
