@@ -239,14 +239,16 @@ def test_the_cuda_read_path_equals_the_reference_op(arch, kind, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     kw = call_kwargs(arch)
     ids = _ids(70, seed=6).cuda()
-    model = _model(arch).cuda()
+    # head_dim 64 and pages of 16: shapes the kernels take (smaller ones fall back to the reference)
+    model = make_model(arch, **({"hidden_size": 256} if arch == "ouro" else {"n_embd": 256})).cuda()
+    plan_sizes = {"sink": 4, "window": 16, "page_size": 16, "group_size": 16}
     logits = {}
     for name, op in (("kernel", coded_attention), ("reference", reference_coded_attention)):
         monkeypatch.setattr(windowed, "coded_attention", op)
         if kind == "ripe":
             cache = RIPECache(model, window=4, max_rollback=5)
         else:
-            cache = LoopKVCache(model, loopkv_preset(model.loop_layout, kind, **PLAN), tau=2.0, max_rollback=5)
+            cache = LoopKVCache(model, loopkv_preset(model.loop_layout, kind, **plan_sizes), tau=2.0, max_rollback=5)
         outs = [model(ids[:, :50], past_key_values=cache, use_cache=True, **kw).logits[:, -1:]]
         outs += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kw).logits for t in range(50, 60)]
         outs.append(model(ids[:, 60:66], past_key_values=cache, use_cache=True, **kw).logits)
