@@ -11,14 +11,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2**23
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 
 
 @triton.jit
 def _encode(x, s32, z32, QMAX: tl.constexpr):
     """`clamp(round_half_even((x - z) / s), 0, qmax)` with `s == 0` and NaN giving 0, as int32 (naive `_encode`)."""
-    q = tl.math.div_rn(x - z32, s32)
-    q = tl.where(s32 == 0.0, 0.0, q)
+    num = x - z32
+    den = tl.broadcast_to(s32, num.shape)  # div_rn does not broadcast
+    q = tl.math.div_rn(num, den)
+    q = tl.where(den == 0.0, 0.0, q)
     q = tl.where(q != q, 0.0, q)
     q = tl.minimum(tl.maximum(q, -1.0), QMAX + 1.0)
     q = (q + _RNE_MAGIC) - _RNE_MAGIC
@@ -29,7 +31,7 @@ def _encode(x, s32, z32, QMAX: tl.constexpr):
 @triton.jit
 def _affine_params(mn, mx, QMAX: tl.constexpr):
     """fp32 group min/max -> fp16 scale and zero (`-0.0` stored as `+0.0`), as naive `_affine_params`."""
-    scale = tl.math.div_rn(mx - mn, QMAX).to(tl.float16)
+    scale = tl.math.div_rn(mx - mn, tl.full(mx.shape, QMAX, tl.float32)).to(tl.float16)
     zero = mn.to(tl.float16)
     scale = tl.where(scale == 0.0, 0.0, scale).to(tl.float16)
     zero = tl.where(zero == 0.0, 0.0, zero).to(tl.float16)
