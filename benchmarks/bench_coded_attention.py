@@ -93,12 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     new_k, new_v = randn(bmax, HEADS, 1, HEAD_DIM), randn(bmax, HEADS, 1, HEAD_DIM)
     codes = {}
     for nbits in (4, 2):
-        chunks_k, chunks_v = [], []
-        for b0 in range(0, bmax, 8):
-            chunks_k.append(quantize_keys(k_hist[b0 : b0 + 8], nbits, group_size=PAGE, check_finite=False))
-            chunks_v.append(quantize_values(v_hist[b0 : b0 + 8], nbits, group_size=GROUP, check_finite=False))
-        codes[nbits] = (naive.QuantizedKeys.cat(chunks_k), naive.QuantizedValues.cat(chunks_v))
-    del chunks_k, chunks_v
+        parts_k = [quantize_keys(k_hist[b0 : b0 + 8], nbits, group_size=PAGE, check_finite=False) for b0 in range(0, bmax, 8)]
+        parts_v = [quantize_values(v_hist[b0 : b0 + 8], nbits, group_size=GROUP, check_finite=False) for b0 in range(0, bmax, 8)]
+        cat = lambda ts: torch.cat(ts, 0) if ts[0] is not None else None  # noqa: E731  (batch-wise)
+        codes[nbits] = (
+            naive.QuantizedKeys(*(cat([getattr(p, f) for p in parts_k]) for f in ("codes", "scale", "zero")), nbits, PAGE),
+            naive.QuantizedValues(*(cat([getattr(p, f) for p in parts_v]) for f in ("hi", "lo", "scale", "zero")), nbits, GROUP),
+        )  # fmt: skip
+        del parts_k, parts_v
     full_k = torch.cat([sink_k, k_hist, win_k, new_k], dim=2)  # for SDPA over BF16 (a full cache's storage)
     full_v = torch.cat([sink_v, v_hist, win_v, new_v], dim=2)
     if dev == "cuda":
@@ -173,11 +175,14 @@ def main(argv: list[str] | None = None) -> None:
                     raise ValueError(f"unknown provider {prov!r}")
                 try:
                     ms = bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=40)
+                    gms = _graph_bench(fn) if dev == "cuda" and prov != "dequant-sdpa" else None
                 except torch.cuda.OutOfMemoryError:
                     print("OOM", row, flush=True)
                     torch.cuda.empty_cache()
                     continue
                 row.update(ms=ms[0], ms_p20=ms[1], ms_p80=ms[2], bytes_read=int(nbytes), tb_s=nbytes / ms[0] / 1e9)
+                if gms is not None:
+                    row.update(graph_ms=gms[0], graph_ms_p20=gms[1], graph_ms_p80=gms[2], graph_tb_s=nbytes / gms[0] / 1e9)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     # the flush: quantize one page of one cell's keys and values (Triton), per batch
@@ -195,6 +200,23 @@ def main(argv: list[str] | None = None) -> None:
     path = write_rows(args.out, rows)
     print("wrote", path)
     _summary(rows, args.cells)
+
+
+def _graph_bench(fn):
+    """Median / p20 / p80 ms of replaying `fn` captured in a CUDA graph (GPU time with each kernel's launch on the
+    device, without Python's launch overhead; L2 flushed before every replay by do_bench)."""
+    import triton
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=40)
 
 
 def _call_once(fn, quantiles, warmup, rep):
@@ -217,6 +239,7 @@ def _cold_fraction(q, k_hat, sink_k, scaling, margin):
 
 def _summary(rows, cells):
     by = {(r["provider"], r.get("batch"), r.get("context")): r for r in rows}
+    print("eager / graph-replay time, graph TB/s")
     print(f"{'ctx':>6} {'B':>3} " + " ".join(f"{p:>22}" for p in ["int4", "int4-vprec", "int2", "bf16", "sdpa-bf16", "dequant-sdpa"]))
     for (prov, b, ctx), _ in sorted(by.items(), key=lambda x: (x[0][2] or 0, x[0][1] or 0)):
         if prov != "int4":
@@ -224,12 +247,15 @@ def _summary(rows, cells):
         cells_txt = []
         for p in ["int4", "int4-vprec", "int2", "bf16", "sdpa-bf16", "dequant-sdpa"]:
             r = by.get((p, b, ctx))
-            cells_txt.append(f"{r['ms'] * 1e3:9.1f}us {r['tb_s']:5.2f}TB/s" if r else f"{'-':>22}")
+            if r and "graph_ms" in r:
+                cells_txt.append(f"{r['ms'] * 1e3:6.0f}/{r['graph_ms'] * 1e3:6.1f}us {r['graph_tb_s']:4.2f}")
+            else:
+                cells_txt.append(f"{r['ms'] * 1e3:6.0f}us {r['tb_s']:4.2f}" if r else "-")
         print(f"{ctx:>6} {b:>3} " + " ".join(f"{c:>22}" for c in cells_txt))
     for (prov, b, _), r in sorted(by.items(), key=lambda x: x[0][1] or 0):
         if prov == "flush-int4-page":
             step = by.get(("int4", b, 8192))
-            ratio = (r["ms"] / (cells * step["ms"])) if step else math.nan
+            ratio = (r["ms"] / (cells * step.get("graph_ms", step["ms"]))) if step else math.nan
             print(f"flush B={b}: {r['ms'] * 1e3:.1f} us per cell; vs {cells} cells x int4 attention at 8K: {ratio:.3%}")
 
 

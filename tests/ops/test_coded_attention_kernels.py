@@ -187,9 +187,10 @@ def _check(case: Case, dtype: torch.dtype, seed: int = 0):
     assert torch.isfinite(out).all()
     assert err <= 2 * err_ref + ATOL[dtype], f"{case.id()} {dtype}: kernel err {err:.3e}, reference err {err_ref:.3e}"
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[dtype], rtol=0)
-    if case.vprec and case.fmt == 4:  # same cold set (up to tokens at the threshold in 16 bits)
+    if case.vprec and case.fmt == 4:  # same cold set (up to tokens at the threshold, whose score rounds across it)
         assert stats_k[1].item() == stats_r[1].item()
-        assert abs(stats_k[0].item() - stats_r[0].item()) <= (0 if dtype == torch.float32 else 2)
+        slack = 0 if dtype == torch.float32 else max(2, int(2e-3 * stats_r[1].item()))
+        assert abs(stats_k[0].item() - stats_r[0].item()) <= slack, (stats_k.tolist(), stats_r.tolist())
     else:
         assert stats_k.tolist() == [0, 0]
     return data, out, lse
@@ -210,6 +211,7 @@ CPU_CASES = [
     Case(hist=64, strided=True, splits=2, Q=2),
     Case(hist=64, strided=True, fmt=0, splits=2),
     Case(hist=65, Wn=0, Q=1, S=1),  # nothing in the window: the bound is the cached length
+    Case(hist=40, Q=9, Hq=8, Hkv=1, Wn=8, splits=2, pad=True),  # 72 rows: two row blocks
 ]
 
 

@@ -38,6 +38,48 @@ def _online_update(b_s, b_m, b_l, b_acc):
 
 
 @triton.jit
+def _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc, o_cols, m_row, D: tl.constexpr):
+    """A program's partial output normalised by its own `l` (columns `o_cols`) and its lse in log2 units
+    (-inf when the program saw no key)."""
+    b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    tl.store(lse_ptr + o_part, b_lse, mask=m_row)
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    tl.store(o_ptr + o_part[:, None] * D + o_cols[None, :], b_o, mask=m_row[:, None])
+
+
+@triton.jit
+def _codes_scores(b_s, b_qj, b_pk, p_ks, p_kz, SHIFT: tl.constexpr, QMAX: tl.constexpr, IEEE: tl.constexpr):
+    """Add the scores of one bit lane of packed key codes `b_pk` [P, DK]: `k = c * scale + zero` per channel, so the
+    page's scale folds into the queries `b_qj` [BR, DK] of the lane's channels and its zero into a row bias."""
+    b_c = ((b_pk >> SHIFT) & QMAX).to(b_qj.dtype)  # [P, DK], exact small integers
+    b_ks = tl.load(p_ks).to(tl.float32)  # [DK]
+    b_kz = tl.load(p_kz).to(tl.float32)
+    b_qf = b_qj.to(tl.float32)
+    b_s += _dot((b_qf * b_ks[None, :]).to(b_qj.dtype), tl.trans(b_c), IEEE)
+    b_s += tl.sum(b_qf * b_kz[None, :], axis=1)[:, None]
+    return b_s
+
+
+@triton.jit
+def _codes_values(
+    b_acc, b_p, b_ph, b_hi, b_lo, b_vs, b_vz, SHIFT: tl.constexpr, NBITS: tl.constexpr, USE_VPREC: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Add `p @ v` for one bit lane of the packed value planes ([P, DV] bytes) into its accumulator [BR, DV]."""
+    b_h = ((b_hi >> SHIFT) & 3).to(tl.float32)
+    if NBITS == 2:
+        b_acc += _dot(b_p, (b_h * b_vs + b_vz).to(b_p.dtype), IEEE)
+    else:
+        b_l = ((b_lo >> SHIFT) & 3).to(tl.float32)
+        if USE_VPREC:
+            b_acc += _dot(b_p, ((b_h * 4.0 + 1.5) * b_vs + b_vz).to(b_p.dtype), IEEE)
+            b_acc += _dot(b_ph, ((b_l - 1.5) * b_vs).to(b_p.dtype), IEEE)
+        else:
+            b_acc += _dot(b_p, ((b_h * 4.0 + b_l) * b_vs + b_vz).to(b_p.dtype), IEEE)
+    return b_acc
+
+
+@triton.jit
 def _attend_dense(
     b_q,
     b_m,
@@ -206,6 +248,7 @@ def _coded_attention_fwd_kernel(
             nv_ptr + i_b * stride_nvb + i_hk * stride_nvh, stride_nkt, stride_nvt, Q, n_start, b_zero + n_start,
             b_own + 1, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
         )  # fmt: skip
+        _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
     else:
         p_begin = i_s * pages_per_split
         p_end = tl.minimum(p_begin + pages_per_split, n_pages)
@@ -228,83 +271,116 @@ def _coded_attention_fwd_kernel(
                     b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"))
                     b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
         o_t0 = tl.arange(0, PAGE)
+        o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
         if KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]
+            for i_p in range(p_begin, p_end):
+                o_t = i_p * PAGE + o_t0  # history index of the tile's tokens
+                m_vis = m_row[:, None] & (o_t[None, :] < b_nh[:, None])  # [BR, P]
+                m_t = tl.max(m_vis.to(tl.int32), axis=0) > 0  # tokens any row reads
+                if USE_VALID:
+                    b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
+                    m_vis = m_vis & b_valid[None, :]
+                b_k = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0.0)  # [P, D]
+                b_s = tl.where(m_vis, _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale, float("-inf"))
+                b_m, b_l, b_acc, b_p = _online_update(b_s, b_m, b_l, b_acc)
+                b_v = tl.load(p_v + o_t[:, None] * stride_hvt, mask=m_t[:, None], other=0.0)
+                b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
+            _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc, o_d, m_row, D)
         else:
+            # codes are read as packed bytes: bit lane j of key byte c holds channel PER_BYTE * c + j and of value
+            # byte c channel 4 * c + j, so the scores sum one product per key lane and the output keeps one
+            # accumulator per value lane (nothing is interleaved in registers)
             PER_BYTE: tl.constexpr = 8 // KV_FMT
             QMAX: tl.constexpr = 2**KV_FMT - 1
-            p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + (o_d // PER_BYTE)[None, :]
-            k_shift = ((o_d % PER_BYTE) * KV_FMT)[None, :]
-            p_ks = hks_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_d
-            p_kz = hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_d
-            p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + (o_d // 4)[None, :]
-            p_vl = hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh + (o_d // 4)[None, :]
-            v_shift = ((o_d % 4) * 2)[None, :]
-            p_vs = hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh + (o_d // VGROUP)[None, :]
-            p_vz = hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh + (o_d // VGROUP)[None, :]
-        for i_p in range(p_begin, p_end):
-            o_t = i_p * PAGE + o_t0  # history index of the page's tokens
-            m_vis = m_row[:, None] & (o_t[None, :] < b_nh[:, None])  # [BR, P]
-            m_t = tl.max(m_vis.to(tl.int32), axis=0) > 0  # tokens any row reads
-            if USE_VALID:
-                b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
-                m_vis = m_vis & b_valid[None, :]
-            if KV_FMT == 0:
-                b_k = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0.0)  # [P, D]
-                b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE)
-            else:
-                # k = c * scale + zero per channel: fold the page's scale into q and its zero into a row bias
-                b_c = (tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0) >> k_shift) & QMAX
-                b_ks = tl.load(p_ks + i_p * stride_hksp).to(tl.float32)  # [D]
-                b_kz = tl.load(p_kz + i_p * stride_hksp).to(tl.float32)
-                b_qf = b_q.to(tl.float32)
-                b_s = _dot((b_qf * b_ks[None, :]).to(b_q.dtype), tl.trans(b_c.to(b_q.dtype)), IEEE)
-                b_s += tl.sum(b_qf * b_kz[None, :], axis=1)[:, None]
-            b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, P]
-            if PAGE_MAX_ONLY:
-                tl.store(pmax_ptr + (i_bh * (G * Q) + o_r) * n_pages + i_p, tl.max(b_s, axis=1), mask=m_row)
-            else:
-                b_m, b_l, b_acc, b_p = _online_update(b_s, b_m, b_l, b_acc)
-                if KV_FMT == 0:
-                    b_v = tl.load(p_v + o_t[:, None] * stride_hvt, mask=m_t[:, None], other=0.0)
-                    b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
+            DK: tl.constexpr = D // PER_BYTE
+            DV: tl.constexpr = D // 4
+            o_ck = tl.arange(0, DK)
+            o_cv = tl.arange(0, DV)
+            p_qrow = q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq
+            b_q0 = tl.load(p_qrow + (o_ck * PER_BYTE)[None, :], mask=m_row[:, None], other=0.0)  # [BR, DK]
+            b_q1 = tl.load(p_qrow + (o_ck * PER_BYTE + 1)[None, :], mask=m_row[:, None], other=0.0)
+            if PER_BYTE == 4:
+                b_q2 = tl.load(p_qrow + (o_ck * PER_BYTE + 2)[None, :], mask=m_row[:, None], other=0.0)
+                b_q3 = tl.load(p_qrow + (o_ck * PER_BYTE + 3)[None, :], mask=m_row[:, None], other=0.0)
+            p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_ck[None, :]
+            p_ks = hks_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_ck * PER_BYTE
+            p_kz = hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_ck * PER_BYTE
+            p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_cv[None, :]
+            p_vl = hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_cv[None, :]
+            o_vg = ((o_cv * 4) // VGROUP)[None, :]  # value group of channels 4c .. 4c + 3 (VGROUP % 4 == 0)
+            p_vs = hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh + o_vg
+            p_vz = hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh + o_vg
+            b_acc0 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            b_acc1 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            b_acc2 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            b_acc3 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            for i_p in range(p_begin, p_end):
+                o_t = i_p * PAGE + o_t0  # history index of the page's tokens
+                m_vis = m_row[:, None] & (o_t[None, :] < b_nh[:, None])  # [BR, P]
+                m_t = tl.max(m_vis.to(tl.int32), axis=0) > 0  # tokens any row reads
+                if USE_VALID:
+                    b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
+                    m_vis = m_vis & b_valid[None, :]
+                b_pk = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0)  # [P, DK] uint8
+                p_ksp = p_ks + i_p * stride_hksp
+                p_kzp = p_kz + i_p * stride_hksp
+                b_s = tl.zeros([BLOCK_R, PAGE], dtype=tl.float32)
+                b_s = _codes_scores(b_s, b_q0, b_pk, p_ksp, p_kzp, 0, QMAX, IEEE)
+                b_s = _codes_scores(b_s, b_q1, b_pk, p_ksp + 1, p_kzp + 1, KV_FMT, QMAX, IEEE)
+                if PER_BYTE == 4:
+                    b_s = _codes_scores(b_s, b_q2, b_pk, p_ksp + 2, p_kzp + 2, 4, QMAX, IEEE)
+                    b_s = _codes_scores(b_s, b_q3, b_pk, p_ksp + 3, p_kzp + 3, 6, QMAX, IEEE)
+                b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, P]
+                if PAGE_MAX_ONLY:
+                    tl.store(pmax_ptr + (i_bh * (G * Q) + o_r) * n_pages + i_p, tl.max(b_s, axis=1), mask=m_row)
                 else:
+                    b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+                    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # rows that see nothing yet stay at p = 0
+                    b_alpha = tl.exp2(b_m - b_ms)
+                    b_p = tl.exp2(b_s - b_ms[:, None])
+                    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+                    b_m = b_mn
+                    b_acc0 = b_acc0 * b_alpha[:, None]
+                    b_acc1 = b_acc1 * b_alpha[:, None]
+                    b_acc2 = b_acc2 * b_alpha[:, None]
+                    b_acc3 = b_acc3 * b_alpha[:, None]
                     o_vt = o_t[:, None]
-                    b_hi = ((tl.load(p_v + o_vt * stride_hvt, mask=m_t[:, None], other=0) >> v_shift) & 3).to(tl.float32)
+                    b_hi = tl.load(p_v + o_vt * stride_hvt, mask=m_t[:, None], other=0)  # [P, DV] uint8
                     b_vs = tl.load(p_vs + o_vt * stride_hvst, mask=m_t[:, None], other=0.0).to(tl.float32)
                     b_vz = tl.load(p_vz + o_vt * stride_hvst, mask=m_t[:, None], other=0.0).to(tl.float32)
-                    if KV_FMT == 2:
-                        b_acc += _dot(b_p.to(b_q.dtype), (b_hi * b_vs + b_vz).to(b_q.dtype), IEEE)
-                    elif USE_VPREC:
-                        # cold rows read the hi plane's bucket midpoint; hot rows add (lo - 1.5) * scale
-                        b_run = tl.maximum(b_run, tl.max(b_s, axis=1))
-                        m_hot = m_vis & (b_s >= b_run[:, None] - margin)
-                        m_lo = tl.max(m_hot.to(tl.int32), axis=0) > 0  # tokens some row reads hot
-                        b_lo = (tl.load(p_vl + o_vt * stride_hvt, mask=m_lo[:, None], other=0) >> v_shift) & 3
-                        b_cold = (b_hi * 4.0 + 1.5) * b_vs + b_vz
-                        b_acc += _dot(b_p.to(b_q.dtype), b_cold.to(b_q.dtype), IEEE)
-                        b_delta = (b_lo.to(tl.float32) - 1.5) * b_vs
-                        b_ph = tl.where(m_hot, b_p, 0.0)
-                        if COUNT:
-                            b_cnt_all += tl.sum(m_vis.to(tl.int32), axis=1)
-                            b_cnt_cold += tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1)
-                        b_acc += _dot(b_ph.to(b_q.dtype), b_delta.to(b_q.dtype), IEEE)
+                    if KV_FMT == 4:
+                        if USE_VPREC:
+                            # cold rows read the hi plane's bucket midpoint; hot rows add (lo - 1.5) * scale
+                            b_run = tl.maximum(b_run, tl.max(b_s, axis=1))
+                            m_hot = m_vis & (b_s >= b_run[:, None] - margin)
+                            m_lo = tl.max(m_hot.to(tl.int32), axis=0) > 0  # tokens some row reads hot
+                            if COUNT:
+                                b_cnt_all += tl.sum(m_vis.to(tl.int32), axis=1)
+                                b_cnt_cold += tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1)
+                        else:
+                            m_hot = m_vis
+                            m_lo = m_t
+                        b_lo = tl.load(p_vl + o_vt * stride_hvt, mask=m_lo[:, None], other=0)
                     else:
-                        b_lo = ((tl.load(p_vl + o_vt * stride_hvt, mask=m_t[:, None], other=0) >> v_shift) & 3)
-                        b_full = (b_hi * 4.0 + b_lo.to(tl.float32)) * b_vs + b_vz
-                        b_acc += _dot(b_p.to(b_q.dtype), b_full.to(b_q.dtype), IEEE)
+                        m_hot = m_vis
+                        b_lo = b_hi
+                    b_p16 = b_p.to(b_q.dtype)
+                    b_ph16 = tl.where(m_hot, b_p, 0.0).to(b_q.dtype)
+                    b_acc0 = _codes_values(b_acc0, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 0, KV_FMT, USE_VPREC, IEEE)
+                    b_acc1 = _codes_values(b_acc1, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 2, KV_FMT, USE_VPREC, IEEE)
+                    b_acc2 = _codes_values(b_acc2, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 4, KV_FMT, USE_VPREC, IEEE)
+                    b_acc3 = _codes_values(b_acc3, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 6, KV_FMT, USE_VPREC, IEEE)
+            if not PAGE_MAX_ONLY:
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc0, o_cv * 4, m_row, D)
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
         if COUNT and not PAGE_MAX_ONLY:
             i_prog = (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2) + i_r
             tl.store(stats_ptr + i_prog * 2, tl.sum(b_cnt_cold, axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(b_cnt_all, axis=0))
-    if not PAGE_MAX_ONLY:
-        # partial output normalised by its own l; lse in log2 units (-inf when the program saw no key)
-        b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-        o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
-        tl.store(lse_ptr + o_part, b_lse, mask=m_row)
-        tl.store(o_ptr + o_part[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
 
 
 @triton.jit(do_not_specialize=["NS", "Q"])

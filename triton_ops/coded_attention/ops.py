@@ -193,7 +193,7 @@ def _coded_attention_fwd(
         NS=ns,
         n_bh_rows=b * hkv * rows,
         D=d,
-        BLOCK_S=min(64, _next_pow2(ns + 1)),
+        BLOCK_S=16,
     )
     if count:
         v_precision_stats += stats_part.sum(0).to(v_precision_stats.dtype)
@@ -211,6 +211,8 @@ def _kernel_supports(query: Tensor, view: CellView) -> str | None:
         page = view.history_key.group_size
         if page < 16 or page & (page - 1):
             return f"key page size {page} (the kernel needs a power of two >= 16)"
+        if view.history_value.group_size % 4:
+            return f"value group size {view.history_value.group_size} (the kernel needs a multiple of 4)"
     return None
 
 
