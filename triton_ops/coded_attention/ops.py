@@ -211,6 +211,8 @@ def _kernel_supports(query: Tensor, view: CellView) -> str | None:
         page = view.history_key.group_size
         if page < 16 or page & (page - 1):
             return f"key page size {page} (the kernel needs a power of two >= 16)"
+        if d < 64:
+            return f"head_dim {d} with coded history (the kernel's per-bit-lane dots need D / 4 >= 16)"
         if view.history_value.group_size % 4:
             return f"value group size {view.history_value.group_size} (the kernel needs a multiple of 4)"
     return None
