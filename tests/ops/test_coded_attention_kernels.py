@@ -164,9 +164,7 @@ def _reference_error(data, dtype):
 
 
 def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
-    from triton_ops.coded_attention.ops import _coded_attention_fwd
-
-    from triton_ops.coded_attention.ops import _kernel_supports
+    from triton_ops.coded_attention.ops import _coded_attention_fwd, _kernel_supports
 
     case, dtype = data["case"], data["dtype"]
     use_vprec = case.vprec if vprec is None else vprec
