@@ -32,13 +32,24 @@ def _same_bits(a, b):
     return torch.equal(a.cpu(), b.cpu())
 
 
-def _data(shape, dtype, seed):
+# fp32 group ranges [0, r] whose `r / qmax` rounds to another fp16 than `r * fp32(1 / qmax)` does: a kernel that
+# multiplies by a reciprocal instead of dividing gets a different scale byte (README "Contract for kernels" 2)
+_RECIPROCAL_TRAPS = {4: 1.851654052734375, 2: 6.372069835662842}
+
+
+def _data(shape, dtype, seed, nbits=4, group_size=32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=g) * 3 + torch.randn(*shape[:2], 1, shape[3], generator=g)
     x[..., 0, : min(3, shape[3])] = 0.0  # exact zeros, -0.0 and ties to even
     x[..., 1, :1] = -0.0
     x[..., 2, :] = 0.5  # a constant channel group / page row
     x[..., 3, :] = torch.arange(shape[3]) * 0.25  # codes exactly half-way
+    trap = _RECIPROCAL_TRAPS[nbits]
+    if shape[3] > 1:  # key channel 1 of page 0 spans [0, trap]
+        x[..., 1] = x[..., 1].clamp(0, trap)
+        x[..., 0, 1], x[..., 1, 1] = 0.0, trap
+    x[..., 5, :group_size] = x[..., 5, :group_size].clamp(0, trap)  # value group 0 of token 5 spans [0, trap]
+    x[..., 5, 0], x[..., 5, 1] = 0.0, trap
     return x.to(dtype)
 
 
@@ -51,7 +62,7 @@ def test_quantize_keys_bit_exact(case, nbits, dtype):
     b, h, t, d, gs = case
     if d % (8 // nbits):
         pytest.skip("D does not pack")
-    x = _data((b, h, t, d), dtype, 0)
+    x = _data((b, h, t, d), dtype, 0, nbits, gs)
     ref = naive.quantize_keys(x, nbits, group_size=gs)
     got = _quantize_keys_fwd(x.to(DEVICE), nbits, gs, None)
     for name in ("codes", "scale", "zero"):
@@ -75,7 +86,7 @@ def test_quantize_values_bit_exact(case, nbits, dtype):
     from triton_ops.quant.ops import _quantize_values_fwd
 
     b, h, t, d, gs = case
-    x = _data((b, h, t, d), dtype, 2)
+    x = _data((b, h, t, d), dtype, 2, nbits, gs)
     strided = x.transpose(2, 3).contiguous().transpose(2, 3).to(DEVICE)  # a non-contiguous input is read in place
     ref = naive.quantize_values(x, nbits, group_size=gs)
     got = _quantize_values_fwd(strided, nbits, gs)
