@@ -172,9 +172,12 @@ def _coded_attention_fwd(
             IEEE=query.dtype == torch.float32,
         )
 
+    # Triton 3.6's software pipeliner fails on the V-precision loop (a load masked by a dot's result) at row blocks
+    # above 16 (seen on the H200 with a 65-token verification block and GQA 8): no pipelining there
+    stages = {"num_stages": 1} if use_vprec and block_r > 16 else {}
     if read_prefix:
-        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True))
-    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False))
+        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True), **stages)
+    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **stages)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     _coded_attention_merge_kernel[(b * hkv * rows,)](
