@@ -158,6 +158,48 @@ class LoopCache(Cache):
                 f"`num_loops={num_loops}`"
             )
         self._depth_complete = num_loops == self.layout.num_loops
+        self._forward_loops = num_loops
+
+    # ----------------------------------------------------------------------------- speculation state
+    @property
+    def draft_depth(self) -> int | None:
+        """Loops the current (or last) forward runs when it runs fewer than the cache holds (a self-speculative draft,
+        which writes only planes `0 .. draft_depth - 1`, plus prelude and coda); None for a full-depth forward."""
+        loops = getattr(self, "_forward_loops", self.layout.num_loops)
+        return None if loops == self.layout.num_loops else loops
+
+    def loop_lengths(self) -> list[int]:
+        """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a
+        draft of depth `d`, planes `< d` hold the draft positions and planes `>= d` do not."""
+        return [
+            min(self.layer_for(cell).get_seq_length() for cell in self.layout.core_cells(loop))
+            for loop in range(self.layout.num_loops)
+        ]
+
+    def rollback(self, length: int) -> None:
+        """Cut every cell to at most `length` positions: drop a draft's positions (cells then differ in length) or a
+        verified block's rejected tail. Positions `< length` read exactly as before when the cut is within
+        `max_rollback` of the longest cell (and, for coded cells, within the full-precision window).
+
+        Args:
+            length (`int`): positions to keep, `0 <= length <= get_seq_length()`.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.get_seq_length():
+            raise ValueError(f"`length` must be an int in [0, {self.get_seq_length()}] (the cached length), got {length!r}")
+        for layer in self.cells:
+            if layer.get_seq_length() > length:
+                layer.truncate(length)
+
+    def set_max_rollback(self, max_rollback: int) -> None:
+        """Keep at least the `max_rollback` most recent positions of every windowed cell at full precision (as the
+        constructor's `max_rollback`), so `rollback`/`crop` by that many stays exact. Raising it takes effect from the
+        next write; a self-speculative decoder raises it to its block size."""
+        if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
+            raise ValueError(f"`max_rollback` must be a non-negative int, got {max_rollback!r}")
+        self.max_rollback = max_rollback
+        for layer in self.cells:
+            if isinstance(layer, WindowedLayer):
+                layer.rollback = max_rollback
 
     def attend(
         self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs

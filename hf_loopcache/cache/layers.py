@@ -426,6 +426,16 @@ class WindowedLayer(LoopLayerBase):
         represented (a shared cell's source may hold fewer positions during a partial-depth draft)."""
         return max(self.hist_end, min(self.read_boundary(t), self.length, self.represent_limit()))
 
+    def row_boundaries(self, key_positions: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """`history_boundary` per row for the queries at storage positions `[start, end)` when rows have holes,
+        `[B, end - start]`: `H` is taken of the row's effective position and mapped back to storage, so a row's
+        window holds `W` of its own positions however many holes lie between them (`key_positions` [B, >= end], see
+        `attention.effective_positions`)."""
+        eff = key_positions[:, :end]
+        target = _window_boundary_t(eff[:, start:end], sink=self.sink, window=self.window, page_size=self.page)
+        bound = torch.searchsorted(eff[:, : self.length].contiguous(), target.contiguous())
+        return bound.clamp(max=min(self.length, self.represent_limit())).clamp(min=self.hist_end)
+
     # ---------------------------------------------------------------- history representation
     def represent_limit(self) -> int:
         if self.source is not None:
@@ -497,7 +507,13 @@ class WindowedLayer(LoopLayerBase):
         )
 
     # ---------------------------------------------------------------- writes
-    def _write(self, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None) -> None:
+    def _write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_valid: torch.Tensor | None,
+        key_positions: torch.Tensor | None = None,
+    ) -> None:
         """Append `q` new positions, then move everything older than the keep boundary into the history."""
         if not self.is_initialized:
             self.lazy_initialization(key, value)
@@ -512,7 +528,13 @@ class WindowedLayer(LoopLayerBase):
             self.sink_buf.append(key[:, :, :n_sink], value[:, :, :n_sink])
             key, value = key[:, :, n_sink:], value[:, :, n_sink:]
         first_new = n + n_sink
-        target = max(self.hist_end, self.keep_boundary(new_len))
+        if key_positions is None:
+            target = max(self.hist_end, self.keep_boundary(new_len))
+        else:  # rows with holes: keep every row's window (effective positions), so the lowest row boundary counts
+            eff = key_positions[:, :new_len]
+            eff_next = eff[:, -1:] + 1  # the new positions are real tokens, never holes
+            wanted = _window_boundary_t(eff_next - self.rollback, sink=self.sink, window=self.window, page_size=self.page)
+            target = max(self.hist_end, int(torch.searchsorted(eff.contiguous(), wanted).min()))
         if self.source is not None:  # never drop a position the source will not hold after this forward
             complete = self.owner is None or self.owner._depth_complete
             cap = self.source.represent_limit() + (q if complete else 0)
@@ -582,15 +604,23 @@ class WindowedLayer(LoopLayerBase):
         n, q = self.length, key.shape[2]
         if n == 0:  # nothing cached: plain causal attention over the new tokens (as every other cell computes it)
             out = dense_attention(query, key, value, key_valid=inputs.key_valid, scaling=inputs.scaling)
-            self._write(key, value, inputs.key_valid)
+            self._write(key, value, inputs.key_valid, inputs.key_positions)
             return out
         device = query.device
         key_valid = inputs.key_valid
         queries = torch.arange(n, n + q, device=device)
-        bounds = [self.history_boundary(t) for t in range(n, n + q)]  # per query: history below, own at and above
-        hist_max, moving = bounds[-1], bounds[0] != bounds[-1]
-        # per-query masks are needed when the boundary moves inside the block or reaches into the own window
-        limits = torch.tensor(bounds, device=device)[:, None] if moving or hist_max > self.hist_end else None
+        limits: torch.Tensor | None  # [1 or B, 1, q, 1]: per query (and row), history below, own at and above
+        if inputs.key_positions is None:
+            bounds = [self.history_boundary(t) for t in range(n, n + q)]
+            hist_max, moving = bounds[-1], bounds[0] != bounds[-1]
+            # per-query masks are needed when the boundary moves inside the block or reaches into the own window
+            limits = (
+                torch.tensor(bounds, device=device)[None, None, :, None] if moving or hist_max > self.hist_end else None
+            )
+        else:
+            row_bounds = self.row_boundaries(inputs.key_positions, n, n + q)  # [B, q]
+            hist_max, moving = int(row_bounds.max()), True
+            limits = row_bounds[:, None, :, None]
         segments: list[Segment] = []
         if len(self.sink_buf):
             k, v = self.sink_buf.view(0, self.sink_buf.end)
@@ -600,18 +630,18 @@ class WindowedLayer(LoopLayerBase):
             with_cold = v_precision is not None and self._reads_int4()
             k, v, cold = self.represent(self.sink, hist_max, with_cold)
             pos = torch.arange(self.sink, hist_max, device=device)
-            mask = (pos[None, :] < limits)[None, None] if moving and limits is not None else None
+            mask = pos < limits if moving and limits is not None else None
             segments.append(Segment(k, v, _and(mask, _padding_only(queries, pos, key_valid)), cold_delta=cold))
         own_start = max(self.sink, self.hist_end)
         if own_start < n:
             k, v = self.recent.view(own_start, n)
             pos = torch.arange(own_start, n, device=device)
-            mask = (pos[None, :] >= limits)[None, None] if limits is not None else None
+            mask = pos >= limits if limits is not None else None
             segments.append(Segment(k, v, _and(mask, _padding_only(queries, pos, key_valid))))
         segments.append(Segment(key, value, causal_padding_mask(queries, queries, key_valid)))
         stats = self.owner.v_precision_stats if self.owner is not None and v_precision is not None else None
         out = segmented_attention(query, segments, scaling=inputs.scaling, v_precision=v_precision, stats=stats)
-        self._write(key, value, key_valid)
+        self._write(key, value, key_valid, inputs.key_positions)
         return out
 
     def _reads_int4(self) -> bool:
@@ -677,6 +707,11 @@ class WindowedLayer(LoopLayerBase):
     def stored_bytes(self) -> int:
         coded = self.codes_k.live_bytes + self.codes_v.live_bytes
         return self.sink_buf.live_bytes + self.recent.live_bytes + coded
+
+
+def _window_boundary_t(positions: torch.Tensor, *, sink: int, window: int, page_size: int) -> torch.Tensor:
+    """`plan.window_boundary` of a tensor of positions."""
+    return sink + page_size * torch.div((positions - sink - window).clamp(min=0), page_size, rounding_mode="floor")
 
 
 def _padding_only(queries: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor | None:

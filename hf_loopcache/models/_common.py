@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
 from hf_loopcache._compat import CACHE_KWARG
-from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention
+from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, effective_positions
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -105,7 +105,8 @@ class LoopForward:
                 position_ids = torch.arange(past, past + query_length, device=device)[None].expand(batch_size, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(batch_size, -1)
-        return cls(cache, AttentionInputs(key_valid=key_valid, scaling=scaling), layout), position_ids
+        inputs = AttentionInputs(key_valid=key_valid, scaling=scaling, key_positions=effective_positions(key_valid))
+        return cls(cache, inputs, layout), position_ids
 
     def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
@@ -135,6 +136,10 @@ class LoopGenerationMixin(GenerationMixin):
     """
 
     loop_kwarg: str = "num_loops"
+
+    def draft_kwargs(self, loops: int) -> dict[str, Any]:
+        """Forward keyword arguments of a self-speculative draft that runs `loops` loops (fewer than the model's)."""
+        return {self.loop_kwarg: check_num_loops(loops, self.loop_kwarg)}
 
     def _prepare_cache_for_generation(
         self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int
