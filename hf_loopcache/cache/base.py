@@ -185,7 +185,9 @@ class LoopCache(Cache):
             length (`int`): positions to keep, `0 <= length <= get_seq_length()`.
         """
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.get_seq_length():
-            raise ValueError(f"`length` must be an int in [0, {self.get_seq_length()}] (the cached length), got {length!r}")
+            raise ValueError(
+                f"`length` must be an int in [0, {self.get_seq_length()}] (the cached length), got {length!r}"
+            )
         for layer in self.cells:
             if layer.get_seq_length() > length:
                 layer.truncate(length)

@@ -533,7 +533,9 @@ class WindowedLayer(LoopLayerBase):
         else:  # rows with holes: keep every row's window (effective positions), so the lowest row boundary counts
             eff = key_positions[:, :new_len]
             eff_next = eff[:, -1:] + 1  # the new positions are real tokens, never holes
-            wanted = _window_boundary_t(eff_next - self.rollback, sink=self.sink, window=self.window, page_size=self.page)
+            wanted = _window_boundary_t(
+                eff_next - self.rollback, sink=self.sink, window=self.window, page_size=self.page
+            )
             target = max(self.hist_end, int(torch.searchsorted(eff.contiguous(), wanted).min()))
         if self.source is not None:  # never drop a position the source will not hold after this forward
             complete = self.owner is None or self.owner._depth_complete
