@@ -536,7 +536,9 @@ class WindowedLayer(LoopLayerBase):
             wanted = _window_boundary_t(
                 eff_next - self.rollback, sink=self.sink, window=self.window, page_size=self.page
             )
-            target = max(self.hist_end, int(torch.searchsorted(eff.contiguous(), wanted).min()))
+            lowest = int(torch.searchsorted(eff.contiguous(), wanted).min())
+            lowest = self.sink + self.page * (max(0, lowest - self.sink) // self.page)  # down to a page start
+            target = max(self.hist_end, lowest)
         if self.source is not None:  # never drop a position the source will not hold after this forward
             complete = self.owner is None or self.owner._depth_complete
             cap = self.source.represent_limit() + (q if complete else 0)

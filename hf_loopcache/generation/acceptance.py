@@ -94,7 +94,7 @@ def speculative_accept(
     accepted = uniforms[:, :gamma].to(p_x.dtype) * q_x < p_x
     accept_length = accepted.long().cumprod(dim=-1).sum(dim=-1)
     # the emitted token: from norm(max(0, p_k - q_k)) at a rejection, from p_gamma after gamma acceptances
-    pad = torch.zeros_like(draft_probs[:, :1])
+    pad = draft_probs.new_zeros(b, 1, draft_probs.shape[-1])
     q_k = torch.cat([draft_probs, pad], dim=1).gather(1, accept_length[:, None, None].expand(-1, 1, pad.shape[-1]))
     p_k = target_probs.gather(1, accept_length[:, None, None].expand(-1, 1, pad.shape[-1]))
     residual = (p_k - q_k).clamp(min=0).squeeze(1)

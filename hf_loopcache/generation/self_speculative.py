@@ -122,10 +122,10 @@ class _Rows:
     generated: list[list[int]]
     finished: list[bool]
 
-    def prefixes(self, rows: list[int], device: torch.device) -> torch.Tensor:
-        """`input_ids` as plain `generate` would hold them for `rows` (all with the same generated count)."""
-        gen = torch.tensor([self.generated[b] for b in rows], dtype=torch.long, device=device)
-        return torch.cat([self.prompt[rows], gen.view(len(rows), -1)], dim=1)
+    def prefix(self, row: int) -> torch.Tensor:
+        """`input_ids` `[1, P + generated]` of one row, as plain `generate` would hold them for it."""
+        gen = torch.tensor(self.generated[row], dtype=torch.long, device=self.prompt.device)
+        return torch.cat([self.prompt[row], gen])[None]
 
 
 class _Timer:
@@ -154,22 +154,34 @@ def _process(
     logits_processor: LogitsProcessorList, rows: _Rows, scores: torch.Tensor, extra: torch.Tensor | None
 ) -> torch.Tensor:
     """Logits processors and warpers on `scores` `[B, V]`, each row with the `input_ids` plain `generate` would pass:
-    its prompt, its generated tokens and `extra` `[B, i]` (draft tokens before this position). Rows are processed in
-    groups of equal length (one group when all rows have generated as many tokens, always at batch 1)."""
+    its prompt, its generated tokens and `extra` `[B, i]` (draft tokens before this position).
+
+    Processors see the whole batch in every call (some keep per-row state, e.g. a repetition penalty's prompt
+    lengths). When rows have generated different numbers of tokens, the batch is processed once per length, each
+    time keeping the rows of that length (the other rows get their sequence cut or left-filled to it, and their
+    outputs are discarded); at batch 1, or when all rows are level, that is one call."""
     if not logits_processor:
         return scores
-    groups: dict[int, list[int]] = {}
-    for b, gen in enumerate(rows.generated):
-        groups.setdefault(len(gen), []).append(b)
-    out = torch.empty_like(scores) if len(groups) > 1 else None
-    for members in groups.values():
-        ids = rows.prefixes(members, scores.device)
-        if extra is not None and extra.shape[1]:
-            ids = torch.cat([ids, extra[members]], dim=1)
-        processed = logits_processor(ids, scores[members] if out is not None else scores)
-        if out is None:
+    lengths = [len(gen) for gen in rows.generated]
+    extra_len = extra.shape[1] if extra is not None else 0
+    out: torch.Tensor | None = None
+    for length in sorted(set(lengths)):
+        seqs = []
+        for b, gen in enumerate(rows.generated):
+            seq = torch.cat(
+                [rows.prompt[b], torch.tensor(gen, dtype=torch.long, device=scores.device)]
+                + ([extra[b]] if extra_len else [])
+            )
+            want = rows.prompt.shape[1] + length + extra_len
+            seq = seq[-want:] if seq.shape[0] >= want else torch.cat([seq.new_zeros(want - seq.shape[0]), seq])
+            seqs.append(seq)
+        processed = logits_processor(torch.stack(seqs), scores.clone())
+        if len(set(lengths)) == 1:
             return processed
-        out[members] = processed
+        if out is None:
+            out = torch.empty_like(scores)
+        members = torch.tensor([b for b, n in enumerate(lengths) if n == length], device=scores.device)
+        out[members] = processed[members]
     return out  # type: ignore[return-value]
 
 
@@ -301,7 +313,7 @@ def _emit(rows: _Rows, emitted: list[list[int]], rules: tuple[int | None, set[in
                 streamer.put(torch.tensor([token]))
             done = token in eos or (max_length is not None and prompt_len + len(rows.generated[b]) >= max_length)
             if not done and other:
-                ids = rows.prefixes([b], rows.prompt.device)
+                ids = rows.prefix(b)
                 done = any(bool(c(ids, None).any()) for c in other)
             if done:
                 rows.finished[b] = True
@@ -458,6 +470,7 @@ def self_speculative(
     block_size: int = 4,
     speculative_stats: SpeculativeStats | None = None,
     forced_acceptance: float | None = None,
+    tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> Any:
     """Self-speculative decoding as a `generate` strategy:
@@ -474,6 +487,7 @@ def self_speculative(
         speculative_stats (`SpeculativeStats`, *optional*): filled with acceptance and timing statistics.
         forced_acceptance (`float`, *optional*): benchmarks on random weights only: accept each draft token with this
             probability regardless of the tokens (the output is then meaningless; the cost is real).
+        tokenizer: taken by `generate` for `stop_strings` (listed here so that `generate` hands it over).
         model_kwargs: passed to every forward (e.g. Huginn's `init_scale=0` for a deterministic state; use the same
             in the sequential run you compare with). `num_loops` / `num_steps` set the verification depth `R`.
 
@@ -551,7 +565,8 @@ def self_speculative_generate(
         attention_mask (`torch.Tensor` of shape `[B, P]`, *optional*): 1 for real tokens.
         cache (`LoopCache`, *optional*): defaults to a `FullLoopCache` of the model.
         do_sample (`bool`): sample (from the processed logits) instead of greedy.
-        eos_token_id / pad_token_id: a row stops at EOS; shorter rows are filled with `pad_token_id` (default: EOS).
+        eos_token_id / pad_token_id: a row stops at EOS; shorter rows are filled with `pad_token_id` (defaults: the
+            model's `generation_config`, as `generate`; pad falls back to EOS).
         logits_processor / stopping_criteria: extra processors (applied to draft and target) and criteria.
         streamer, speculative_stats, forced_acceptance: see `self_speculative`.
         generator (`torch.Generator`, *optional*): the random source of sampling and forced acceptance.
@@ -569,6 +584,10 @@ def self_speculative_generate(
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError(f"a streamer is supported at batch size 1 only, got batch size {input_ids.shape[0]}")
     _check_args(model, cache, draft_loops, block_size, forced_acceptance, _verify_loops(model, model_kwargs))
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    if pad_token_id is None:
+        pad_token_id = model.generation_config.pad_token_id
     criteria = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
     if eos_token_id is not None:
         criteria.append(EosTokenCriteria(eos_token_id))
