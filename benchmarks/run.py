@@ -16,6 +16,7 @@ REGISTRY = {
     "ripe-windows": ("benchmarks.bench_ripe_windows", "tests/cache/test_engine.py"),
     "loopkv-planner": ("benchmarks.bench_loopkv_planner", "tests/planner/test_profile_plan.py"),
     "v-precision": ("benchmarks.bench_v_precision", "tests/cache/test_loopkv.py"),
+    "selfspec": ("benchmarks.bench_selfspec", "tests/generation/test_self_speculative.py"),
 }
 
 

@@ -35,7 +35,6 @@ __all__ = [
     "VPrecision",
     "causal_padding_mask",
     "dense_attention",
-    "effective_positions",
     "segmented_attention",
 ]
 
@@ -48,14 +47,10 @@ class AttentionInputs:
         key_valid (`torch.BoolTensor` of shape `[batch, total_length]`, *optional*): True where the position holds a
             real token; None when all positions are real. `total_length` covers the cached positions plus the new ones.
         scaling (`float`): softmax scale, usually `head_dim ** -0.5`.
-        key_positions (`torch.LongTensor` of shape `[batch, total_length]`, *optional*): every position's *effective*
-            position, `effective_positions(key_valid)`; None when no row has a hole (then effective = absolute).
-            Windowed cells count their read boundary in it, so a row's window holds its real tokens.
     """
 
     key_valid: torch.Tensor | None
     scaling: float
-    key_positions: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -92,26 +87,6 @@ def causal_padding_mask(
         own = key_positions[None, :] == query_positions[:, None]
         visible = visible | own
     return visible[:, None] if visible.dim() == 3 else visible[None, None]
-
-
-def effective_positions(key_valid: torch.Tensor | None) -> torch.Tensor | None:
-    """Position of every key with the row's *holes* left out: `j - #holes of the row before j`, `[B, T]` (long).
-
-    A hole is an invalid position after the row's first real token: self-speculative decoding leaves one where a
-    verified token of a row was rejected while another row kept its position. Left padding (invalid positions before
-    the first real token) is not a hole, so a batch without holes keeps its absolute positions, and None is returned
-    (one device sync). A hole gets the effective position of the next real token, so the result is non-decreasing.
-
-    Args:
-        key_valid (`torch.BoolTensor` of shape `[B, T]`, *optional*): True for real tokens.
-    """
-    if key_valid is None:
-        return None
-    hole = (key_valid.long().cumsum(-1) > 0) & ~key_valid
-    if not bool(hole.any()):
-        return None
-    holes_before = hole.long().cumsum(-1) - hole.long()
-    return torch.arange(key_valid.shape[1], device=key_valid.device)[None] - holes_before
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

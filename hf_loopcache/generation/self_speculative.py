@@ -50,6 +50,7 @@ class SpeculativeStats:
 
     Attributes:
         verifications (`int`): verification passes (whole batch).
+        draft_forwards (`int`): draft passes (whole batch; `gamma` per verification, fewer near `max_new_tokens`).
         row_verifications (`int`): verifications summed over the rows still generating at each.
         accepted_tokens (`int`): accepted draft tokens over those rows.
         reached (`list[int]`): per draft position `i`, how often it was tested (every earlier draft accepted).
@@ -59,6 +60,7 @@ class SpeculativeStats:
     """
 
     verifications: int = 0
+    draft_forwards: int = 0
     row_verifications: int = 0
     accepted_tokens: int = 0
     reached: list[int] = field(default_factory=list)
@@ -85,6 +87,7 @@ class SpeculativeStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "verifications": self.verifications,
+            "draft_forwards": self.draft_forwards,
             "row_verifications": self.row_verifications,
             "accepted_tokens": self.accepted_tokens,
             "tokens_per_verification": self.tokens_per_verification,
@@ -102,6 +105,7 @@ class SpeculativeStats:
             self.reached += [0] * (gamma - len(self.reached))
             self.accepted += [0] * (gamma - len(self.accepted))
         self.verifications += 1
+        self.draft_forwards += gamma
         for k, live in zip(accept_length, active):
             if not live:
                 continue

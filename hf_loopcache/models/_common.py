@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
 from hf_loopcache._compat import CACHE_KWARG
-from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, effective_positions
+from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -106,8 +106,7 @@ class LoopForward:
                 position_ids = torch.arange(past, past + query_length, device=device)[None].expand(batch_size, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(batch_size, -1)
-        inputs = AttentionInputs(key_valid=key_valid, scaling=scaling, key_positions=effective_positions(key_valid))
-        return cls(cache, inputs, layout), position_ids
+        return cls(cache, AttentionInputs(key_valid=key_valid, scaling=scaling), layout), position_ids
 
     def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.cache is None:

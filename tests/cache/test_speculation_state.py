@@ -1,5 +1,5 @@
-"""The cache state a draft and a rollback need, as explicit API: draft depth, per-loop lengths, rollback, the rollback
-reserve, and effective positions of rows with holes."""
+"""The cache state a draft and a rollback need, as explicit API: draft depth, per-loop lengths, rollback and the
+rollback reserve (effective positions of rows with holes: tests/cache/test_read_path.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
-from hf_loopcache.attention import effective_positions
 from hf_loopcache.cache import loopkv_preset
 from tests.helpers import call_kwargs, make_model
 
@@ -18,17 +17,6 @@ _CACHES = {
     "deepest-plane": DeepestPlaneCache,
     "loopkv-kivi4-share": lambda m: LoopKVCache(m, loopkv_preset(m.loop_layout, "kivi4-share", **_SMALL_LOOPKV)),
 }
-
-
-def test_effective_positions_leave_out_holes_not_left_padding():
-    valid = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 0, 0, 1, 1, 0]]).bool()
-    assert effective_positions(valid).tolist() == [
-        [0, 1, 2, 3, 4, 4, 4, 5],
-        [0, 1, 2, 3, 4, 5, 6, 7],
-        [0, 1, 1, 2, 2, 2, 3, 4],
-    ]
-    assert effective_positions(torch.tensor([[0, 0, 1, 1]]).bool()) is None  # left padding only: absolute
-    assert effective_positions(None) is None
 
 
 @torch.no_grad()
@@ -43,16 +31,16 @@ def test_a_partial_depth_draft_shows_in_depth_and_loop_lengths_and_rolls_back_ex
     spec.set_max_rollback(3)
     model(ids[:, :10], past_key_values=spec, use_cache=True, **kw)
     model(ids[:, :10], past_key_values=plain, use_cache=True, **kw)
-    assert spec.draft_depth is None and spec.loop_lengths() == [10] * model.loop_layout.num_loops
+    assert spec.draft_loops is None and spec.loop_lengths() == [10] * model.loop_layout.num_loops
     for t in range(10, 13):
         model(ids[:, t : t + 1], past_key_values=spec, use_cache=True, **loop_kw, **kw)
-    assert spec.draft_depth == 1
+    assert spec.draft_loops == 1
     assert spec.loop_lengths() == [13] + [10] * (model.loop_layout.num_loops - 1)
     spec.rollback(10)
     assert spec.loop_lengths() == [10] * model.loop_layout.num_loops and spec.get_seq_length() == 10
     a = model(ids[:, 10:14], past_key_values=spec, use_cache=True, **kw).logits
     b = model(ids[:, 10:14], past_key_values=plain, use_cache=True, **kw).logits
-    assert spec.draft_depth is None
+    assert spec.draft_loops is None
     torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
@@ -80,7 +68,7 @@ def test_rollback_beyond_the_reserve_is_not_exact_and_the_reserve_makes_it_exact
 
 def test_rollback_and_reserve_validate_their_arguments():
     cache = FullLoopCache(make_model("ouro"))
-    with pytest.raises(ValueError, match="`length` must be an int in \\[0, 0\\]"):
-        cache.rollback(3)
+    with pytest.raises(ValueError, match="`length` must be a non-negative int"):
+        cache.rollback(-1)
     with pytest.raises(ValueError, match="max_rollback"):
         cache.set_max_rollback(-1)
