@@ -247,3 +247,25 @@ def test_sampling_draws_the_target_distribution():
         counts = torch.bincount(out[:, 3 + j], minlength=8).double()
         chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
         assert chi2 < 29.88, f"token {j + 1}: chi2 {chi2:.1f}"
+
+
+@torch.no_grad()
+def test_return_dict_in_generate_returns_sequences_and_the_cache():
+    from hf_loopcache._compat import OUTPUT_CACHE_FIELD
+
+    model = make_model("ouro").double()
+    ids = torch.tensor([[5, 9, 17, 33]])
+    cache = RIPECache(model, window=3)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=RIPECache(model, window=3), **kw)
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        custom_generate=self_speculative,
+        draft_loops=2,
+        block_size=3,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    assert torch.equal(out.sequences, ref) and getattr(out, OUTPUT_CACHE_FIELD) is cache
+    assert cache.get_seq_length() >= ref.shape[1] - 1  # the last token is emitted, not cached
