@@ -10,8 +10,8 @@ Two modes:
   and a fresh cache. Fixtures decode with their real acceptance; the real-size random-weight shapes (Ouro-1.4B,
   Huginn-0125) cannot agree with their drafts, so their verifier outcome is forced (`forced_acceptance=alpha`: each
   draft token accepted with probability alpha, independently, as Eq. 7 assumes) at the acceptance the same-family
-  fixture measured with the same cache (from `--acceptance-file`); the drafts, verifications, rollbacks and commits
-  they run are the real ones.
+  fixture measured with the same cache earlier in the same call (pooled over its batches; else from
+  `--acceptance-file`); the drafts, verifications, rollbacks and commits they run are the real ones.
 
 Per row: decode time (total minus prefill, CUDA synchronised), tokens/s, the measured speed-up, tokens per
 verification `tau` (per row, and `tau_eff` = new tokens / verifications, what the slowest row of a batch allows), the
@@ -175,6 +175,8 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
         speedup=round(t_seq / t_spec, 3),
         acceptance_rate=round(alpha_hat, 4),
         acceptance_by_position=[round(a, 4) for a in stats.acceptance_by_position],
+        accepted=list(stats.accepted),
+        reached=list(stats.reached),
         tokens_per_verification=round(stats.tokens_per_verification, 3),
         tau_eq7=round(tau_eq7(alpha_hat, gamma), 3),
         tau_eff=round(tau_eff, 3),
@@ -257,13 +259,23 @@ def _merge(total: SpeculativeStats, stats: SpeculativeStats) -> None:
     total.accepted_tokens += stats.accepted_tokens
 
 
-def _alpha(shape: str, cache_name: str, acceptance: dict[tuple[str, str], float]) -> float | None:
+def _alpha(shape: str, cache_name: str, rows: list[dict[str, Any]], acceptance: dict[tuple[str, str], float]):
+    """The acceptance that drives a random-weight shape: pooled over this run's rows of the same-family fixture with
+    the same cache (same dtype, prompt and block size), else from the acceptance file. Returns (alpha, source)."""
     if shape in FIXTURES:
-        return None
-    key = (FAMILY[shape], cache_name)
+        return None, "real"
+    family = FAMILY[shape]
+    same = [r for r in rows if r.get("status") == "ok" and r["shape"] == family and r["cache"] == cache_name]
+    if same:
+        accepted = sum(sum(r["accepted"]) for r in same)
+        reached = sum(sum(r["reached"]) for r in same)
+        return accepted / max(1, reached), f"{family} in this run, batches {[r['batch'] for r in same]}"
+    key = (family, cache_name)
     if key not in acceptance:
-        raise ValueError(f"no measured acceptance for {key} in the acceptance file; run --acceptance-only first")
-    return acceptance[key]
+        raise ValueError(
+            f"no measured acceptance for {key}: run the fixture in the same call or pass --acceptance-file"
+        )
+    return acceptance[key], f"{family} from {Path(acceptance['__file__']).name}"  # type: ignore[index]
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -319,7 +331,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8, help="--acceptance-only: held-out prompts per fixture")
     parser.add_argument("--extra-draft-loops", nargs="*", type=int, default=[], help="--acceptance-only: more d")
-    parser.add_argument("--acceptance-file", default=str(RESULTS / "selfspec_acceptance.json"))
+    parser.add_argument(
+        "--acceptance-file",
+        default=str(RESULTS / "selfspec_acceptance.json"),
+        help="fallback acceptance for random-weight shapes whose fixture is not in the same call",
+    )
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-seconds", type=float, default=220.0, help="skip the remaining rows after this long")
@@ -333,11 +349,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.shapes = args.shapes or [*FIXTURES, "ouro-1.4b", "huginn-0125"]
     args.out = args.out or "selfspec"
-    acceptance = {
-        (r["shape"], r["cache"]): r["acceptance_rate"]
-        for r in json.loads(Path(args.acceptance_file).read_text())["rows"]
-        if r["draft_loops"] == DRAFT_LOOPS[r["shape"]] and r["block_size"] == args.block_size
-    }
+    acceptance: dict[Any, Any] = {}
+    if Path(args.acceptance_file).exists():
+        acceptance = {
+            (r["shape"], r["cache"]): r["acceptance_rate"]
+            for r in json.loads(Path(args.acceptance_file).read_text())["rows"]
+            if r["draft_loops"] == DRAFT_LOOPS[r["shape"]] and r["block_size"] == args.block_size
+        }
+        acceptance["__file__"] = args.acceptance_file
     start, rows = time.perf_counter(), []
     for shape in args.shapes:
         model, tok = _model(shape, getattr(torch, args.dtype), args.device)
@@ -358,7 +377,9 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"shape": shape, "cache": cache_name, "batch": batch, "status": "skipped (time)"})
                     continue
                 ids = _prompts(shape, model, tok, batch, args.prompt, args.device)
-                row = run_row(model, shape, cache_name, batch, ids, args, _alpha(shape, cache_name, acceptance))
+                alpha, source = _alpha(shape, cache_name, rows, acceptance)
+                row = run_row(model, shape, cache_name, batch, ids, args, alpha)
+                row["acceptance_source"] = source
                 print(row, flush=True)
                 rows.append(row)
         del model
