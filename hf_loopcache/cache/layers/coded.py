@@ -12,6 +12,9 @@ from triton_ops.quant import dequantize_keys, dequantize_values
 
 __all__ = ["CodedLayer"]
 
+_CODE_CHUNK_PAGES = 32
+"""Pages quantized per call when many leave the window at once (a prefill): bounds the fp32 transient."""
+
 
 class CodedLayer(WindowedLayer):
     """Sink and window at full precision; the pages in between as own codes (keys per channel over the page, values
@@ -47,11 +50,16 @@ class CodedLayer(WindowedLayer):
 
     # ---------------------------------------------------------------- codes
     def _code(self, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
-        """Append the codes of whole pages `key`/`value` `[B, H, k * P, D]` of positions `[start, ...)`."""
-        end = start + key.shape[2]
-        valid = None if self._valid is None else self._valid[:, start:end]
-        qk, qv = quantize_pages(key, value, self.nbits, page_size=self.page, group_size=self.group, valid=valid)
-        self.pages.append(qk, qv)
+        """Append the codes of whole pages `key`/`value` `[B, H, k * P, D]` of positions `[start, ...)`, a few pages
+        at a time (a long prefill never holds an fp32 copy of all its keys)."""
+        step = _CODE_CHUNK_PAGES * self.page
+        for a in range(0, key.shape[2], step):
+            b = min(a + step, key.shape[2])
+            valid = None if self._valid is None else self._valid[:, start + a : start + b]
+            qk, qv = quantize_pages(
+                key[:, :, a:b], value[:, :, a:b], self.nbits, page_size=self.page, group_size=self.group, valid=valid
+            )
+            self.pages.append(qk, qv)
 
     def ensure_codes(self, end: int) -> None:
         """Code every page below `end` (rounded up to a page) that is not coded yet, from the window."""
