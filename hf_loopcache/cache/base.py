@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.plan import CachePlan
-from hf_loopcache.cache.read import ReadState, VPrecisionStats, effective_positions
+from hf_loopcache.cache.read import ReadState, VPrecisionStats
 from hf_loopcache.layout import Cell, LoopLayout
 
 __all__ = ["LoopCache", "resolve_layout"]
@@ -43,8 +43,13 @@ class LoopCache(Cache):
     Native models (`hf_loopcache.models`) call `begin_forward(...)` once per forward and then `attend(slot, ...)` per
     cell, which reads each cell's storage as stored (full precision, codes, or another cell's storage) through
     `triton_ops.coded_attention`; everything a read depends on reaches the cell as one `ReadState` argument. Foreign
-    code can use the plain `update(k, v, slot)` path, which returns every position as the cell reads it (decoded). Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn:
-    prelude `0..P-1`, core `P + n_core * step + layer`, coda `-1, -2`).
+    code can use the plain `update(k, v, slot)` path, which returns every position as the cell reads it (decoded).
+    Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn: prelude `0..P-1`, core
+    `P + n_core * step + layer`, coda `-1, -2`).
+
+    Self-speculation: a forward with fewer loops than the cache holds is a draft (`draft_loops`); `rollback(length)`
+    cuts every cell back (exact within `max_rollback`), and rows may hold *holes* (padded positions after a row's
+    first real token) that the reading rule skips per row.
 
     Args:
         model_or_layout: a native looped model, its config, or a `LoopLayout`.
@@ -173,7 +178,6 @@ class LoopCache(Cache):
                 draft_loops=self._draft_loops,
                 v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
                 v_precision_stats=self._v_precision_stats,
-                effective=effective_positions(inputs.key_valid),
             )
             self._read = (inputs, state)
         return self._read[1]
@@ -227,7 +231,9 @@ class LoopCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` positions (transformers >= 5.16: `tokens_to_remove <= 0`); a positive
-        value is the absolute length to keep (the older convention). Every cell is cut to that length."""
+        value is the absolute length to keep (the older convention). Every cell is cut to that length. A 0-d tensor
+        (transformers 5.17's assisted decoding passes one) is read as its int."""
+        tokens_to_remove = int(tokens_to_remove)
         length = self.get_seq_length()
         target = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         self.rollback(max(0, min(length, target)))

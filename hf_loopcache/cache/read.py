@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,9 +61,12 @@ class ReadState:
         v_precision_tau (`float`, *optional*): LoopKV's V-precision threshold for INT4 history; None reads every
             low plane.
         v_precision_stats (`VPrecisionStats`, *optional*): where cold / history read counts go.
-        effective (`torch.LongTensor` of shape `[B, length + q + 1]`, *optional*): per row, the position each stored
-            position has once the row's holes are left out (`effective_positions`); None when no row has a hole.
-            Column `length + q` is the position the next token will have.
+
+    Attributes:
+        effective (`torch.LongTensor` of shape `[B, length + q + 1]` or None): per row, the position each stored
+            position has once the row's holes are left out (`effective_positions(key_valid)`, computed on first use,
+            so forwards that only touch dense cells never inspect the mask); None when no row has a hole. Column
+            `length + q` is the position the next token will have.
     """
 
     key_valid: torch.Tensor | None
@@ -70,7 +74,10 @@ class ReadState:
     draft_loops: int | None = None
     v_precision_tau: float | None = None
     v_precision_stats: VPrecisionStats | None = None
-    effective: torch.Tensor | None = None
+
+    @cached_property
+    def effective(self) -> torch.Tensor | None:
+        return effective_positions(self.key_valid)
 
     @property
     def complete(self) -> bool:

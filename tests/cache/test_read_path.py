@@ -207,3 +207,52 @@ def test_reserved_storage_is_never_regrown(arch):
         model(_ids(1, seed=t), past_key_values=cache, use_cache=True, **kw)
     assert (coded.pages.qk.codes.data_ptr(), coded.recent.k.data_ptr()) == pointers
     assert cache.nbytes() == allocated
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rollback", [0, 5, 13])
+def test_stored_bytes_with_a_rollback_reserve_follow_the_plan(arch, rollback):
+    """A coded cell holds the pages that left the window as codes and its last `W + rollback` positions at full
+    precision (the reserve is held both ways); `CachePlan.expected_stored_bytes(length, rollback)` says so."""
+    model = _model(arch, torch.bfloat16)  # the plan counts 2 bytes per full-precision element
+    plan = loopkv_preset(model.loop_layout, "kivi4-share", **PLAN)
+    cache = LoopKVCache(model, plan, max_rollback=rollback)
+    kw = call_kwargs(arch)
+    model(_ids(30), past_key_values=cache, use_cache=True, **kw)
+    for t in range(30, 70):
+        model(_ids(1, seed=t), past_key_values=cache, use_cache=True, **kw)
+        assert cache.stored_bytes() == plan.expected_stored_bytes(t + 1, rollback), t
+    model(_ids(6, seed=99), past_key_values=cache, use_cache=True, **kw)  # a block
+    assert cache.stored_bytes() == plan.expected_stored_bytes(76, rollback)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["ripe", "kivi4", "kivi4-share", "hand"])
+def test_the_cuda_read_path_equals_the_reference_op(arch, kind, monkeypatch):
+    """On CUDA the cells hand their views to `coded_attention` (the Triton kernels); the same run with the reference op
+    in its place gives the same logits (fp32, no TF32): prefill, decode steps with V precision, a verification block,
+    a crop within the rollback reserve and a block after it."""
+    from triton_ops.coded_attention import coded_attention, reference_coded_attention
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    kw = call_kwargs(arch)
+    ids = _ids(70, seed=6).cuda()
+    # head_dim 64 and pages of 16: shapes the kernels take (smaller ones fall back to the reference)
+    model = make_model(arch, **({"hidden_size": 256} if arch == "ouro" else {"n_embd": 256})).cuda()
+    plan_sizes = {"sink": 4, "window": 16, "page_size": 16, "group_size": 16}
+    logits = {}
+    for name, op in (("kernel", coded_attention), ("reference", reference_coded_attention)):
+        monkeypatch.setattr(windowed, "coded_attention", op)
+        if kind == "ripe":
+            cache = RIPECache(model, window=4, max_rollback=5)
+        else:
+            cache = LoopKVCache(model, loopkv_preset(model.loop_layout, kind, **plan_sizes), tau=2.0, max_rollback=5)
+        outs = [model(ids[:, :50], past_key_values=cache, use_cache=True, **kw).logits[:, -1:]]
+        outs += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kw).logits for t in range(50, 60)]
+        outs.append(model(ids[:, 60:66], past_key_values=cache, use_cache=True, **kw).logits)
+        cache.crop(-3)
+        outs.append(model(ids[:, 63:70], past_key_values=cache, use_cache=True, **kw).logits)
+        logits[name] = torch.cat(outs, 1)
+    torch.testing.assert_close(logits["kernel"], logits["reference"], atol=1e-4, rtol=1e-4)

@@ -31,6 +31,10 @@ __all__ = ["reference_coded_attention"]
 DEFAULT_SPLIT_PAGES = 32
 """History pages per split (1,024 tokens at pages of 32). BF16 history splits by `32 * DEFAULT_SPLIT_PAGES` tokens."""
 
+_KEEP_SCORES = 1 << 22
+"""With V precision, history scores of up to this many elements (16 MiB in fp32) are kept between the page-maximum
+pass and the softmax pass instead of being recomputed from the codes."""
+
 
 def _check_query(query: object, view: CellView) -> Tensor:
     if not isinstance(view, CellView):
@@ -202,10 +206,14 @@ def reference_coded_attention(
             return masked(_scores(qf, k, scaling), m), m
 
         running = None
+        kept: dict[int, Tensor] = {}  # pass-1 scores of each split, kept while they are small (else recomputed)
+        keep = b * hq * q_len * read_len <= _KEEP_SCORES
         if use_vp:
             page_max = []
             for a in range(0, read_len, split):
                 s, _ = split_scores(a, min(a + split, read_len))
+                if keep:
+                    kept[a] = s
                 pad = (-s.shape[-1]) % page
                 s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
                 page_max.append(s.unflatten(-1, (-1, page)).amax(-1))
@@ -215,7 +223,7 @@ def reference_coded_attention(
                 running = torch.maximum(running, seed[..., None])
         for a in range(0, read_len, split):
             z = min(a + split, read_len)
-            s, _ = split_scores(a, z)
+            s = kept.pop(a) if a in kept else split_scores(a, z)[0]
             if view.is_coded:
                 p0, p1 = a // page, math.ceil(z / page)
                 qv = view.history_value.select_tokens(p0 * page, p1 * page)

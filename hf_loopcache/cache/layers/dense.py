@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hf_loopcache.attention import dense_attention
 from hf_loopcache.cache.layers.base import LoopLayerBase
 from hf_loopcache.cache.storage import SeqBuffer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DenseLayer"]
 
@@ -26,6 +31,25 @@ class DenseLayer(LoopLayerBase):
     def update(self, key_states, value_states, *args, **kwargs):
         self._append(key_states, value_states)
         return self.buf.view(0, self.length)
+
+    # transformers' `CacheLayerMixin` attributes, read by code written for its own layers: every stored position
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self.buf.view(0, self.length)[0] if self.length else None
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a DenseLayer's `keys` are its storage; write them with `update`")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self.buf.view(0, self.length)[1] if self.length else None
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a DenseLayer's `values` are its storage; write them with `update`")
 
     def attend(self, query, key, value, read):
         self._append(key, value)
