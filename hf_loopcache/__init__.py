@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from hf_loopcache.cache import CachePlan, DeepestPlaneCache, FullLoopCache, LoopCache, LoopKVCache, RIPECache
+from hf_loopcache.generation import SpeculativeStats, self_speculative, self_speculative_generate
 from hf_loopcache.layout import Cell, LoopLayout
 from hf_loopcache.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM, register
 
@@ -33,10 +34,13 @@ __all__ = [
     "OuroConfig",
     "OuroForCausalLM",
     "RIPECache",
+    "SpeculativeStats",
     "__version__",
     "list_fixtures",
     "load_fixture",
     "register",
+    "self_speculative",
+    "self_speculative_generate",
 ]
 
 if TYPE_CHECKING:

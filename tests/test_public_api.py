@@ -23,10 +23,13 @@ def test_hf_loopcache_all():
             "OuroConfig",
             "OuroForCausalLM",
             "RIPECache",
+            "SpeculativeStats",
             "__version__",
             "list_fixtures",
             "load_fixture",
             "register",
+            "self_speculative",
+            "self_speculative_generate",
         ]
     )
     for name in hf_loopcache.__all__:

@@ -248,6 +248,14 @@ class LoopCache(Cache):
         for layer in shared_first:
             layer.truncate(min(layer.get_seq_length(), length))
 
+    def loop_lengths(self) -> list[int]:
+        """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a
+        draft of depth `d`, planes `< d` hold the draft positions and planes `>= d` do not."""
+        return [
+            min(self.layer_for(cell).get_seq_length() for cell in self.layout.core_cells(loop))
+            for loop in range(self.layout.num_loops)
+        ]
+
     def set_max_rollback(self, max_rollback: int) -> None:
         """Keep the last `max_rollback` positions of every windowed cell at full precision from now on (positions that
         already left the window stay coded)."""
