@@ -10,7 +10,7 @@ import torch
 from hf_loopcache import CachePlan, Cell, FullLoopCache, LoopKVCache, LoopLayout
 from hf_loopcache.attention import Segment, VPrecision, segmented_attention
 from hf_loopcache.cache.plan import loopkv_preset
-from tests.helpers import call_kwargs, make_model
+from tests.helpers import call_kwargs, make_model, teacher_forced_logprob
 from triton_ops.quant import dequantize_values, fake_quantize_keys, fake_quantize_values, quantize_values
 
 OURO_14B = LoopLayout(n_core=24, num_loops=4, num_kv_heads=16, head_dim=128, name="ouro")
@@ -210,17 +210,26 @@ def test_generate_with_loopkv_presets(arch):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         greedy = torch.stack(logits, 1).index_fill(-1, torch.tensor([2]), -math.inf).argmax(-1)  # EOS 2: min tokens
         assert torch.equal(seq[:, ids.shape[1] :], greedy)
+    plan = _small_plan(model.loop_layout, "hand")
+    prompt = ids[:, :20]  # 30 new tokens: pages of generated tokens, which differ between beams, get coded
     beams = model.generate(
-        ids,
-        past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, "hand")),
-        num_beams=2,
-        max_new_tokens=12,
-        min_new_tokens=12,
+        prompt,
+        past_key_values=LoopKVCache(model, plan),
+        num_beams=3,
+        max_new_tokens=30,
+        min_new_tokens=30,
         do_sample=False,
         pad_token_id=0,
-        **call_kwargs(arch),
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kw,
     )
-    assert beams.shape == (1, ids.shape[1] + 12)
+    assert beams.sequences.shape == (1, prompt.shape[1] + 30)
+    # the best beam's score is its log-probability under a fresh cache fed its tokens: the reordered rows (sink,
+    # window and codes) followed the beam
+    expected = teacher_forced_logprob(model, beams.sequences, prompt.shape[1], LoopKVCache(model, plan), **kw)
+    assert float(beams.sequences_scores[0]) == pytest.approx(expected, rel=1e-5, abs=1e-4)  # fp32 sums
 
 
 def test_loopkv_cache_errors():
