@@ -74,6 +74,9 @@ SHARE_SINK, SHARE_WINDOW = [9.0, 2.0], [1.0, 4.0, 0.0, 2.0, 3.0]
 # share cell (its own sink max 9, the source's history): page A m = 9 -> 5.0 (gap 4) cold, 6.875 (gap 2.125) hot;
 #                           pages B, C as above
 COLD = {"own": [2, 3, 5, 6, 9, 10, 11, 12, 13], "share": [2, 3, 5, 6, 9, 10, 11, 12, 13]}
+# A second query head of the same KV head (GQA) with query e_0 / 2 halves every score: sink max 4 (share: 4.5), page
+# A m = 4 (4.5): gaps <= 1.5, hot; page B m = 6: only 2.25 (gap 3.75) cold; page C 4.5 (gap 1.5) hot.
+COLD_HALF = {"own": [9], "share": [9]}
 # Faults this case separates from the rule (each changes the cold set, hence the output):
 # - no V precision: nothing cold;           - margin tau instead of tau ln 2: 5.0 (gap 3) and 9 (gap 3) hot
 # - seed not taken from the sink: page A m = 6.875 -> all hot;     - seed from the window (10): page A all cold
@@ -104,10 +107,12 @@ def _closed_form(scores, values, cold):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("query_heads", [1, 2], ids=["MHA", "GQA2"])
 @pytest.mark.parametrize("reader", ["own", "share"])
-def test_v_precision_reads_the_hand_computed_cold_set(reader):
+def test_v_precision_reads_the_hand_computed_cold_set(reader, query_heads):
     """LoopKV Sec. 3.3 on a case whose cold set and output are known in closed form, for an INT4 cell and for a cell
-    that shares the final loop's INT4 history (it reads the source's codes with its own query, sink and window)."""
+    that shares the final loop's INT4 history (it reads the source's codes with its own query, sink and window); with
+    GQA the second query head reads the same KV head with half the scores, hence its own cold set."""
     layout = LoopLayout(n_core=2, num_loops=2, num_kv_heads=1, head_dim=D, name="toy")
     plan = CachePlan.from_rule(
         layout, lambda c: "share" if c.loop == 0 else "int4", sink=S, window=W, page_size=P, group_size=D
@@ -123,8 +128,9 @@ def test_v_precision_reads_the_hand_computed_cold_set(reader):
     zero_q = torch.zeros(1, 1, T, D)
     _forward(cache, layout, {c: (zero_q, keys[c], values[c]) for c in keys}, T)
 
-    query = torch.zeros(1, 1, 1, D)
-    query[..., 0] = 1.0
+    query = torch.zeros(1, query_heads, 1, D)
+    query[:, 0, :, 0] = 1.0
+    query[:, 1:, :, 0] = 0.5
     new_values = {c: _values(g, 1) for c in keys}
     new_key = torch.zeros(1, 1, 1, D)  # score 0
     outs = _forward(cache, layout, {c: (query, new_key, new_values[c]) for c in keys}, 1)
@@ -138,6 +144,10 @@ def test_v_precision_reads_the_hand_computed_cold_set(reader):
     )
     expected = _closed_form(scores, read_values, COLD[reader])
     torch.testing.assert_close(outs[cell][0, 0, 0].double(), expected, atol=2e-5, rtol=1e-5)
+    if query_heads == 2:
+        half = _closed_form([x / 2 for x in scores], read_values, COLD_HALF[reader])
+        torch.testing.assert_close(outs[cell][0, 1, 0].double(), half, atol=2e-5, rtol=1e-5)
+        assert (half - _closed_form([x / 2 for x in scores], read_values, [])).abs().max() > 1e-3
     # the case separates V precision from the plain INT4 read by far more than the tolerance
     assert (expected - _closed_form(scores, read_values, [])).abs().max() > 1e-2
 
