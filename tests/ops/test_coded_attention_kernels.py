@@ -169,7 +169,7 @@ def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
     case, dtype = data["case"], data["dtype"]
     use_vprec = case.vprec if vprec is None else vprec
     query, view = data["q"].to(device=device, dtype=dtype), _view(data, dtype, device)
-    reason = _kernel_supports(query, view)
+    reason = _kernel_supports(query, view, data["tau"] if use_vprec else None)
     if reason is not None and not INTERPRET:  # coded_attention sends such shapes to the reference
         pytest.skip(f"the compiled kernel does not take {reason}")
     return _coded_attention_fwd(
@@ -310,3 +310,8 @@ def test_kernel_refuses_shapes_it_cannot_take():
     assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
     data = _build(Case(hist=40, D=64), torch.float32)
     assert _kernel_supports(data["q"].double(), _view(data, torch.float64)) is not None
+    # V precision over more than 16 query rows per KV head goes to the reference (not validated on the GPU)
+    data = _build(Case(hist=40, D=64, Hq=4, Q=5), torch.float32)
+    view = _view(data, torch.float32)
+    assert "V precision over 20 query rows" in _kernel_supports(data["q"], view, data["tau"])
+    assert _kernel_supports(data["q"], view, None) is None

@@ -172,12 +172,9 @@ def _coded_attention_fwd(
             IEEE=query.dtype == torch.float32,
         )
 
-    # Triton 3.6's software pipeliner fails on the V-precision loop (a load masked by a dot's result) at row blocks
-    # above 16 (seen on the H200 with a 65-token verification block and GQA 8): no pipelining there
-    stages = {"num_stages": 1} if use_vprec and block_r > 16 else {}
     if read_prefix:
-        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True), **stages)
-    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **stages)
+        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True))
+    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False))
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     _coded_attention_merge_kernel[(b * hkv * rows,)](
@@ -203,9 +200,13 @@ def _coded_attention_fwd(
     return out, lse
 
 
-def _kernel_supports(query: Tensor, view: CellView) -> str | None:
+def _kernel_supports(query: Tensor, view: CellView, v_precision_tau: float | None = None) -> str | None:
     """Why the kernel cannot take this call (None when it can)."""
     d = view.head_dim
+    rows = query.shape[1] // view.num_kv_heads * query.shape[2]
+    if v_precision_tau is not None and view.history_nbits == 4 and rows > 16:
+        # seen on the H200 (Triton 3.6): a 65-token GQA-8 verification block with V precision failed its check
+        return f"V precision over {rows} query rows per KV head (validated on the GPU up to 16)"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
     if d < 16 or d & (d - 1):
@@ -259,7 +260,7 @@ def coded_attention(
     _check_query(query, view)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not math.isfinite(scaling):
         raise ValueError(f"`scaling` must be a finite float, got {scaling!r}")
-    reason = _kernel_supports(query, view)
+    reason = _kernel_supports(query, view, v_precision_tau)
     if not use_triton("coded_attention", query) or reason is not None:
         if reason is not None and query.is_cuda:
             _announce(reason)
