@@ -24,6 +24,7 @@ def test_hf_loopcache_all():
             "OuroForCausalLM",
             "RIPECache",
             "__version__",
+            "build_cache",
             "list_fixtures",
             "load_fixture",
             "register",
