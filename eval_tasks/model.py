@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils import Collator, normalize_gen_kwargs
+from lm_eval.models.utils import Collator, has_bos_prefix, normalize_gen_kwargs
 from tqdm import tqdm
 
 import hf_loopcache
@@ -89,7 +89,7 @@ class LoopCacheLM(HFLM):
         if isinstance(pretrained, str) and pretrained in FIXTURES and not os.path.isdir(pretrained):
             pretrained = str(fixture_path(pretrained))
             kwargs.setdefault("tokenizer", str(tokenizer_folder(pretrained)))
-            kwargs.setdefault("add_bos_token", True)  # the fixtures saw <|endoftext|> before every document
+            kwargs.setdefault("add_bos_token", True)  # the fixtures saw <|endoftext|> before every document (below)
         kwargs.setdefault("backend", "causal")  # HFLM cannot tell from transformers' tables (our model types)
         if isinstance(pretrained, str):
             self._check_extra_args(pretrained, kwargs)
@@ -101,6 +101,7 @@ class LoopCacheLM(HFLM):
                 f"--model hf-loopcache evaluates hf_loopcache's native looped models (Ouro, Huginn); "
                 f"{type(self.model).__name__} is not one (use --model hf for other models)"
             )
+        self._prepend_bos = self._needs_manual_bos()
         self._resolve_hub_plan()
         probe = self.make_cache()  # refuses options the spec does not take, before any request
         self.score_block = None if probe.plan.is_full else probe.plan.window + 1
@@ -127,6 +128,41 @@ class LoopCacheLM(HFLM):
                 f"an HFLM argument, or a field of the model's config. Data locations (data_dir, ruler_dir, ...) go in "
                 f"--metadata, not in model_args."
             )
+
+    def _needs_manual_bos(self) -> bool:
+        """`add_bos_token=True` only asks the tokenizer for its special tokens; the fixtures' tokenizer adds none, so
+        the BOS token (`<|endoftext|>`, which the fixtures saw before every document) is prepended here."""
+        bos = self.tokenizer.bos_token_id
+        if not self.add_bos_token or bos is None:
+            return False
+        return self.tokenizer("a", add_special_tokens=True)["input_ids"][:1] != [bos]
+
+    def tok_encode(self, string: str, add_special_tokens: Any = None, left_truncate_len: Any = None, **kwargs):
+        ids = super().tok_encode(string, add_special_tokens=add_special_tokens, **kwargs)
+        bos = self.tokenizer.bos_token_id
+        if (
+            self._prepend_bos
+            and add_special_tokens is not False
+            and ids[:1] != [bos]
+            and not has_bos_prefix(string, self.tokenizer.bos_token)
+        ):
+            ids = [bos, *ids]
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_batch_encode(
+        self, strings: list[str], padding_side: str = "left", left_truncate_len: Any = None, truncation: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._prepend_bos:
+            return super().tok_batch_encode(strings, padding_side, left_truncate_len, truncation)
+        rows = [self.tok_encode(s, left_truncate_len=left_truncate_len) for s in strings]
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            span = slice(width - len(r), width) if padding_side == "left" else slice(0, len(r))
+            ids[i, span], mask[i, span] = torch.tensor(r), 1
+        return ids, mask
 
     def _resolve_hub_plan(self) -> None:
         """A Hub plan is downloaded once; every request then reads the local copy."""

@@ -215,3 +215,14 @@ def test_model_is_a_native_looped_model_only(tmp_path):
     tok.save_pretrained(tmp_path)
     with pytest.raises(TypeError, match="native looped models"):
         LoopCacheLM(pretrained=str(tmp_path), dtype="float32", device="cpu")
+
+
+def test_fixture_prompts_start_with_their_separator_token():
+    """The fixtures saw `<|endoftext|>` (id 0) before every document: prompts get it once, never twice."""
+    lm = make_lm()
+    bos = lm.tokenizer.bos_token_id
+    assert lm.tok_encode("Hello world")[:1] == [bos]
+    assert lm.tok_encode("<|endoftext|>Hello world").count(bos) == 1
+    ids, mask = lm.tok_batch_encode(["Hello world", "a b c"])
+    assert all(row[m.bool()][0] == bos for row, m in zip(ids, mask))
+    assert make_lm(add_bos_token=False).tok_encode("Hello world")[:1] != [bos]
