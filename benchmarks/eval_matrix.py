@@ -59,7 +59,8 @@ REASONING_LIMIT = 20
 RULER_TASKS = ("niah_single_1", "ruler_vt")
 SYNTH = ("niah_multikey", "vartrack")
 SETS = {
-    "retrieval": [f"loopcache_ruler_{t}" for t in RULER_TASKS] + [f"loopcache_synth_{t}_noise" for t in SYNTH],
+    "retrieval": [f"loopcache_{t}" if t.startswith("ruler_") else f"loopcache_ruler_{t}" for t in RULER_TASKS]
+    + [f"loopcache_synth_{t}_noise" for t in SYNTH],
     "reasoning": ["loopcache_gsm8k_cot_zeroshot", "loopcache_minerva_math500"],
 }
 # the packages lm-eval 0.4.13 (with its hf, math and ruler extras) needs that the H200 image lacks (device KINDS.md)
@@ -165,6 +166,8 @@ def run(args: argparse.Namespace) -> None:
         for model in args.models:
             model_args = f"pretrained={model},{cache_args},dtype={args.dtype},max_length=4608"
             for task_set, tasks in SETS.items():
+                if task_set not in args.sets:
+                    continue
                 spent = time.time() - t0
                 if spent > args.budget_s:
                     summary["skipped"].append({"model": model, "cache": cache, "set": task_set, "at_s": round(spent)})
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--reasoning-limit", type=int, default=REASONING_LIMIT)
     r.add_argument("--budget-s", type=float, default=300.0, help="start no configuration after this many seconds")
     r.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    r.add_argument("--sets", type=lambda s: s.split(","), default=list(SETS), help=f"from {list(SETS)}")
     r.add_argument("--caches", type=lambda s: s.split(","), default=list(CACHES), help=f"from {list(CACHES)}")
     r.set_defaults(func=run)
     args = p.parse_args(argv)

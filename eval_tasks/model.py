@@ -63,8 +63,8 @@ class LoopCacheLM(HFLM):
     def __init__(self, pretrained: Any, **kwargs: Any) -> None:
         received = {"pretrained": pretrained, **kwargs}
         self.cache_spec = kwargs.pop("cache", "full")
+        num_loops = kwargs.pop("num_loops", None)  # the forwards' loop count, and the cache's where its spec takes it
         self.cache_options = {k: kwargs.pop(k) for k in CACHE_OPTIONS if k in kwargs}
-        num_loops = kwargs.pop("num_loops", None)
         draft_loops = kwargs.pop("draft_loops", None)
         block_size = kwargs.pop("block_size", None)
         self._default_max_gen_toks = _positive_int("max_gen_toks", kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))

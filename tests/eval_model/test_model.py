@@ -4,6 +4,8 @@ batches equal single requests, generation builds a fresh cache per call, and the
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -154,6 +156,7 @@ def test_num_loops_reaches_every_forward(monkeypatch):
     seen = []
     forward = lm.model.forward
 
+    @functools.wraps(forward)  # generate checks its kwargs against the forward's signature
     def spy(*args, **kwargs):
         seen.append(kwargs.get("num_steps"))
         return forward(*args, **kwargs)
