@@ -22,7 +22,9 @@ Sizing (one H200): the shipped fixtures' retrieval cells, measured on the H200 b
 for tiny-huginn at 2K-4K tokens. Here the batch is `BATCH` and answers run to the task's limit (RULER 128 / 30 new
 tokens), so a configuration's retrieval set (`4 tasks x 2 lengths x ITEMS`) is estimated at 15-60 s. On the 2-core
 CPU here one item (2048-token prompt, 32 new tokens, batch 1) took 18-41 s (tiny-ouro) and 58-128 s (tiny-huginn)
-wall time on a shared machine, so the matrix cannot be sized on this CPU; `--budget-s` (default 300) stops starting
+wall time on a shared machine, and a CPU smoke run of this script (`run --models tiny-ouro --caches full,ripe64
+--sets retrieval --dtype float32 --batch-size 4` on 1 item per task at 2048 tokens) took 94 s and 67 s for the two
+configurations and 173 s in all, so the matrix cannot be sized on this CPU; `--budget-s` (default 300) stops starting
 new configurations when it is spent (configurations run full cache first, the models interleaved, so whatever
 finished still pairs up), and the summary says what was skipped.
 
