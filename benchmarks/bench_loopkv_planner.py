@@ -4,12 +4,16 @@
 2. At equal bytes, how does the knapsack plan's KL compare with uniform and hand-made plans? (LoopKV: 0.36-0.48x.)
 
 The profile is measured on `--profile-docs` held-out documents; every plan's KL is measured on *other* held-out
-documents (teacher-forced replay, fp32, exact block replay), so the prediction is checked out of sample.
+documents (teacher-forced replay, fp32, exact block replay), so the prediction is checked out of sample. A shared
+cell is profiled against the final loop coded as INT4 (profile schema 2, LoopKV Proposition 2).
+
+`--markdown` prints the README's table and figures from the committed JSON instead of measuring.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,36 @@ def slope(x: list[float], y: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
 
 
+def markdown(path: Path) -> str:
+    """The README's table and headline figures from a result file of this benchmark."""
+    data = json.loads(Path(path).read_text())
+    rows = [r for r in data["rows"] if r["plan"] != "summary"]
+    summary = next(r for r in data["rows"] if r["plan"] == "summary")
+    lines = [
+        "| plan | int4 / int2 / share / bf16 cells | stored / read B per token | predicted KL | measured KL | top-1 agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r["counts"]
+        lines.append(
+            f"| {r['plan']} | {c['int4']} / {c['int2']} / {c['share']} / {c['bf16']} | "
+            f"{r['stored_bytes_per_token']:,} / {r['read_bytes_per_token']:,} | {r['predicted_kl']:.2e} | "
+            f"{r['measured_kl']:.2e} | {100 * r['top1_agreement']:.2f}% |"
+        )
+    ratios = [r["measured_kl"] / r["predicted_kl"] for r in rows]
+    lines += [
+        "",
+        f"- KL_share {summary['kl_share_profile']:.2e} = "
+        f"{summary['kl_share_profile'] / summary['kivi4_predicted_damage']:.1f}x KIVI-4's summed damage",
+        f"- {summary['plans']} plans: log correlation {summary['log_pearson_predicted_vs_measured']:.3f}, slope "
+        f"{summary['log_slope_measured_on_predicted']:.2f}, measured / predicted {min(ratios):.2f}-{max(ratios):.2f}x",
+        "- equal bytes, knapsack KL / baseline KL: "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in summary["equal_bytes_kl_ratio_knapsack_over_baseline"].items()),
+        f"- conditions: {summary['conditions']}; environment: {data.get('environment')}",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny-ouro")
@@ -50,7 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tau", type=float, default=None, help="V precision for the measured plans (default: off)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="loopkv_planner_tiny_ouro")
+    parser.add_argument("--markdown", action="store_true", help="print the README table of `--out` and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(RESULTS / f"{args.out}.json"))
+        return
+    if str(args.device).startswith("cuda"):  # fp32 KL: no TF32 in matmuls or convolutions
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
 
     model, tokenizer = load_fixture(args.model, dtype=torch.float32, device=args.device)
     kwargs = {"init_scale": 0.0} if model.config.model_type == "huginn_raven" else {}

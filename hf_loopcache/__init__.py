@@ -18,6 +18,7 @@ from hf_loopcache.cache import (
     RIPECache,
     build_cache,
 )
+from hf_loopcache.generation import SpeculativeStats, self_speculative, self_speculative_generate
 from hf_loopcache.layout import Cell, LoopLayout
 from hf_loopcache.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM, register
 
@@ -41,11 +42,14 @@ __all__ = [
     "OuroConfig",
     "OuroForCausalLM",
     "RIPECache",
+    "SpeculativeStats",
     "__version__",
     "build_cache",
     "list_fixtures",
     "load_fixture",
     "register",
+    "self_speculative",
+    "self_speculative_generate",
 ]
 
 if TYPE_CHECKING:

@@ -157,6 +157,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         window=args.window,
         page_size=args.page_size,
         group_size=args.group_size,
+        share_source=args.share_source,
         prefix=args.prefix,
         out_path=args.out,
         progress=True,
@@ -237,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--window", type=int, default=256)
     prof.add_argument("--page-size", type=int, default=32)
     prof.add_argument("--group-size", type=int, default=32)
+    prof.add_argument(
+        "--share-source", default="int4", help="the final loop's option when scoring `share` (= plan's --final-option)"
+    )
     prof.add_argument("--dtype", default="float32")
     prof.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     prof.add_argument("--out", required=True)

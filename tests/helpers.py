@@ -62,3 +62,16 @@ def make_model(arch: str, seed: int = 0, **overrides):
 def call_kwargs(arch: str) -> dict:
     """Extra forward/generate kwargs that make a model deterministic (Huginn: zero initial state)."""
     return {} if arch == "ouro" else {"init_scale": 0.0}
+
+
+@torch.no_grad()
+def teacher_forced_logprob(model, sequence: torch.Tensor, prompt_length: int, cache, **kwargs) -> float:
+    """Sum of log p(token) of `sequence[0, prompt_length:]` when it is fed through `cache` one token at a time: the
+    score beam search must report for that beam (`length_penalty=0`) if its cache rows followed the beam."""
+    logits = model(sequence[:, :prompt_length], past_key_values=cache, use_cache=True, **kwargs).logits[:, -1]
+    total = 0.0
+    for t in range(prompt_length, sequence.shape[1]):
+        total += float(torch.log_softmax(logits.double(), -1)[0, sequence[0, t]])
+        if t + 1 < sequence.shape[1]:
+            logits = model(sequence[:, t : t + 1], past_key_values=cache, use_cache=True, **kwargs).logits[:, -1]
+    return total

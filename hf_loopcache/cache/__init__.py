@@ -2,9 +2,10 @@
 
 from hf_loopcache.cache.base import LoopCache
 from hf_loopcache.cache.factory import CACHE_OPTIONS, CACHE_SPECS, build_cache, cache_options
-from hf_loopcache.cache.layers import DenseLayer, WindowedLayer
+from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer, WindowedLayer
 from hf_loopcache.cache.plan import LOOPKV_PRESETS, OPTIONS, CachePlan, loopkv_preset
 from hf_loopcache.cache.presets import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
+from hf_loopcache.cache.read import ReadState
 
 __all__ = [
     "CACHE_OPTIONS",
@@ -12,12 +13,16 @@ __all__ = [
     "LOOPKV_PRESETS",
     "OPTIONS",
     "CachePlan",
+    "CodedLayer",
     "DeepestPlaneCache",
     "DenseLayer",
     "FullLoopCache",
     "LoopCache",
     "LoopKVCache",
+    "LoopLayerBase",
+    "ReadState",
     "RIPECache",
+    "SharedLayer",
     "WindowedLayer",
     "build_cache",
     "cache_options",

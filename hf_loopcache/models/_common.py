@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -135,6 +136,25 @@ class LoopGenerationMixin(GenerationMixin):
     """
 
     loop_kwarg: str = "num_loops"
+
+    def draft_kwargs(self, loops: int) -> dict[str, Any]:
+        """Forward keyword arguments of a self-speculative draft that runs `loops` loops (fewer than the model's)."""
+        return {self.loop_kwarg: check_num_loops(loops, self.loop_kwarg)}
+
+    def _extract_generation_mode_kwargs(
+        self, custom_generate: Any, kwargs: dict, synced_gpus: Any, assistant_model: Any, streamer: Any
+    ) -> dict[str, Any]:
+        """transformers (5.17-5.24) hands a `custom_generate` callable only the keywords `_sample` lacks, so a callable
+        never gets the `streamer` (into which `generate` already streamed the prompt) nor the `tokenizer` (which
+        `stop_strings` need). Hand them to a callable that declares them."""
+        handed = {"streamer": streamer, "tokenizer": kwargs.get("tokenizer")}
+        out = super()._extract_generation_mode_kwargs(  # type: ignore[misc]
+            custom_generate, kwargs, synced_gpus, assistant_model, streamer
+        )
+        if callable(custom_generate):
+            takes = inspect.signature(custom_generate).parameters
+            out.update({k: v for k, v in handed.items() if v is not None and k in takes})
+        return out
 
     def _prepare_cache_for_generation(
         self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int

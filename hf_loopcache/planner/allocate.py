@@ -72,6 +72,12 @@ def plan_costs(
 ) -> tuple[dict[str, dict[str, OptionCost]], dict[Cell, str], int]:
     """Knapsack costs of the free cells, the fixed final-loop choice, and the byte unit."""
     layout = profile.layout
+    source = profile.settings.get("share_source")
+    if "share" in options and source != final_option:
+        raise ValueError(
+            f"the profile scored `share` against a final loop stored as {source!r}, but `final_option` is "
+            f"{final_option!r}: plan with final_option={source!r}, or profile with share_source={final_option!r}"
+        )
     fixed = dict.fromkeys(layout.core_cells(layout.final_loop), final_option)
     probe = _base_plan(profile, dict.fromkeys(layout.cells(), "bf16"))
     per_option = {

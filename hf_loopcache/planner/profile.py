@@ -1,10 +1,22 @@
 """One-time per-cell damage profile (LoopKV Sec. 3.1, "Profiling").
 
 For every cell `c` and storage option `o`, the damage `d(c, o)` is the mean fp32 `KL(p_exact || p_{c <- o})` over the
-replayed positions of the profiling documents, with only cell `c` stored as `o` and every other cell exact. A shared
-cell reads its source exactly here (the source's own coding error is charged to the source cell), so
-`d(c, share)` is the cost of reading the final loop's keys and values instead of its own. The profile also measures
-`KL_share`, the whole-loop reference of the paper: the loop before the last shares the final loop in every layer.
+replayed positions of the profiling documents, with only cell `c` stored as `o` and every other cell exact.
+
+A shared cell reads its source *as coded*: LoopKV's Proposition 2 writes a shared cell's error as `Q(x_s) - x_c`, the
+source's codes minus the cell's own exact keys and values, because a shared cell reads the final loop's codes, which
+every plan stores in the final loop's option (`share_source`, INT4 as in the paper). The engine has no cell that reads
+codes while its source reads exactly, so `d(c, share)` is measured as the damage sharing *adds* to the coded source:
+`KL(c shares, source coded, rest exact) - KL(source coded, rest exact)` (the second term is the source's own
+`d(s, share_source)`, which the profile measures anyway). To second order this is Proposition 2's `D_c` plus the
+interaction of `c` with its source, which every plan that shares `c` also has (the source is always coded); a negative
+increment (noise, or a negative interaction) is recorded as 0, since the knapsack needs non-negative damages.
+
+The profile also measures `KL_share`, the whole-loop unit of the paper: the loop before the last reads the final
+loop's *exact* keys and values in every layer (LoopKV footnote 4: "naively letting loop 3 reuse loop 4's BF16 KV").
+
+Schema version 2 (this scoring of `share`); a version-1 profile, which scored `share` against the exact source, is
+refused with an error rather than reused.
 
 The profile is resumable: results are written to `out_path` after every cell and reused when the settings match (the
 same documents, storage settings, dtype and weights: a fingerprint of the state dict is part of the settings).
@@ -30,8 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PROFILE_SCHEMA_VERSION", "CellProfile", "profile_cells"]
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 CODED = ("int4", "int2")
+SHARE_SOURCES = ("int4", "int2", "bf16")
 
 
 @dataclass
@@ -62,8 +75,15 @@ class CellProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CellProfile:
-        if data.get("schema_version") != PROFILE_SCHEMA_VERSION:
-            raise ValueError(f"`schema_version` must be {PROFILE_SCHEMA_VERSION}, got {data.get('schema_version')!r}")
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            hint = (
+                " (version 1 scored a shared cell against the exact source; version 2 scores it against the source as "
+                "coded, LoopKV Proposition 2): profile again with this version"
+                if version == 1
+                else ""
+            )
+            raise ValueError(f"profile `schema_version` must be {PROFILE_SCHEMA_VERSION}, got {version!r}{hint}")
         return cls(
             LoopLayout.from_dict(data["layout"]),
             {Cell.parse(k): dict(v) for k, v in data["damage"].items()},
@@ -116,6 +136,7 @@ def profile_cells(
     window: int = 256,
     page_size: int = 32,
     group_size: int = 32,
+    share_source: str = "int4",
     prefix: int | float = 0.5,
     out_path: str | os.PathLike | None = None,
     progress: bool = True,
@@ -130,6 +151,8 @@ def profile_cells(
         documents: the profiling token sequences; each is prefilled up to `prefix` and replayed after it.
         options: options to measure, from `("int4", "int2", "share")`.
         sink, window, page_size, group_size: the storage the plans will use (LoopKV: 32, 256, 32, 32).
+        share_source: option the final loop's cells (the sharing sources) are stored in when a cell's `share` is
+            scored, one of `("int4", "int2", "bf16")`; plan with the same `final_option` (LoopKV: INT4).
         prefix: prefilled tokens per document (a float in (0, 1) is a fraction of its length).
         out_path: JSON file to write after every cell and to resume from.
         progress: show a progress bar (tqdm) and print the cost estimate.
@@ -139,6 +162,8 @@ def profile_cells(
     bad = [o for o in options if o not in ("int4", "int2", "share")]
     if bad:
         raise ValueError(f"`options` must be drawn from ('int4', 'int2', 'share'), got {bad}")
+    if share_source not in SHARE_SOURCES:
+        raise ValueError(f"`share_source` must be one of {SHARE_SOURCES}, got {share_source!r}")
     if not documents:
         raise ValueError("`documents` must hold at least one token sequence")
     layout: LoopLayout = model.loop_layout
@@ -148,6 +173,7 @@ def profile_cells(
         "window": window,
         "page_size": page_size,
         "group_size": group_size,
+        "share_source": share_source,
         "prefix": prefix,
         "documents": len(docs),
         "tokens": [int(d.numel()) for d in docs],
@@ -188,9 +214,11 @@ def profile_cells(
         return total / count
 
     def single(cell: Cell, option: str) -> CachePlan:
+        """Only `cell` stored as `option`; a shared cell's source coded as `share_source` (what the cell reads)."""
+        source = layout.source_cell(cell) if option == "share" else None
         return CachePlan.from_rule(
             layout,
-            lambda c: option if c == cell else "bf16",
+            lambda c: option if c == cell else (share_source if c == source else "bf16"),
             sink=sink,
             window=window,
             page_size=page_size,
@@ -225,9 +253,25 @@ def profile_cells(
             group_size=group_size,
         )
         profile.kl_share = arm_damage(plan)
+
+    def source_damage(source: Cell) -> float:
+        """`d(source, share_source)`: the baseline a share arm's KL is measured against (measured once, kept)."""
+        if share_source == "bf16":
+            return 0.0
+        if share_source not in profile.damage.get(source, {}):
+            profile.damage.setdefault(source, {})[share_source] = arm_damage(single(source, share_source))
+        return profile.damage[source][share_source]
+
     bar = _progress(len(todo), enabled=progress)
     for i, (cell, option) in enumerate(todo):
-        profile.damage.setdefault(cell, {})[option] = arm_damage(single(cell, option))
+        if option not in profile.damage.get(cell, {}):  # a source's coded damage may already be measured
+            damage = arm_damage(single(cell, option))
+            if option == "share":
+                base = source_damage(layout.source_cell(cell))
+                if damage < base:
+                    log(f"{cell} share: KL {damage:.3e} is below its coded source's alone ({base:.3e}); recorded as 0")
+                damage = max(0.0, damage - base)
+            profile.damage.setdefault(cell, {})[option] = damage
         bar.update(1)
         last_of_cell = i + 1 == len(todo) or todo[i + 1][0] != cell
         if out_path is not None and last_of_cell:

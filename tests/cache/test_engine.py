@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_loopcache import CachePlan, Cell, DeepestPlaneCache, FullLoopCache, LoopCache, LoopLayout, RIPECache
-from tests.helpers import call_kwargs, make_model
+from tests.helpers import call_kwargs, make_model, teacher_forced_logprob
 from tests.test_layout import HUGINN, RAVEN_LLAMA
 
 TINY = LoopLayout(n_core=2, num_loops=3, num_kv_heads=2, head_dim=32, n_prelude=1, n_coda=1, name="tiny")
@@ -257,5 +257,18 @@ def test_beam_search_and_reorder_with_ripe(arch):
     kw = dict(max_new_tokens=5, do_sample=False, num_beams=3, pad_token_id=0, **call_kwargs(arch))
     wide = model.generate(ids, past_key_values=RIPECache(model, window=32), **kw)
     assert torch.equal(wide, model.generate(ids, **kw))
-    narrow = model.generate(ids, past_key_values=RIPECache(model, window=1), **kw)
-    assert narrow.shape == wide.shape
+    narrow = model.generate(
+        ids,
+        past_key_values=RIPECache(model, window=1),
+        min_new_tokens=5,
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    assert narrow.sequences.shape == wide.shape
+    # the best beam's score is its log-probability under a fresh cache fed its tokens: the reordered rows followed it
+    expected = teacher_forced_logprob(
+        model, narrow.sequences[:1], ids.shape[1], RIPECache(model, window=1), **call_kwargs(arch)
+    )
+    assert float(narrow.sequences_scores[0]) == pytest.approx(expected, abs=1e-4)

@@ -10,7 +10,7 @@ import torch
 from hf_loopcache import CachePlan, Cell, FullLoopCache, LoopKVCache, LoopLayout
 from hf_loopcache.attention import Segment, VPrecision, segmented_attention
 from hf_loopcache.cache.plan import loopkv_preset
-from tests.helpers import call_kwargs, make_model
+from tests.helpers import call_kwargs, make_model, teacher_forced_logprob
 from triton_ops.quant import dequantize_values, fake_quantize_keys, fake_quantize_values, quantize_values
 
 OURO_14B = LoopLayout(n_core=24, num_loops=4, num_kv_heads=16, head_dim=128, name="ouro")
@@ -146,20 +146,33 @@ def test_block_reads_equal_sequential_reads_for_coded_plans(arch, name):
 @torch.no_grad()
 def test_crop_into_the_coded_history_and_decode_again(arch):
     """Cropping below the coded history decodes the straddling page back to full precision; decoding on restores the
-    plan's layout (same stored bytes as a cache that never went further)."""
+    plan's layout (same stored bytes as a cache that never went further). What every cell holds is compared with the
+    codec of the exact model's keys and values (`tests/cache/test_read_rules.py` checks what a query reads after such
+    a crop against a closed form)."""
     model = _model(arch)
     plan = _small_plan(model.loop_layout, "kivi4")
-    cache, fresh = LoopKVCache(model, plan), LoopKVCache(model, plan)
+    cache, fresh, full = LoopKVCache(model, plan, tau=None), LoopKVCache(model, plan), FullLoopCache(model)
     ids = _ids(60, seed=4)
     kw = call_kwargs(arch)
     model(ids[:, :50], past_key_values=cache, use_cache=True, **kw)
-    cache.crop(-25)  # length 25, inside the coded history [4, 36)
+    model(ids[:, :50], past_key_values=full, use_cache=True, **kw)
+    cache.crop(-25)  # length 25, inside the coded history [4, 36): page [20, 28) straddles the cut
     assert cache.get_seq_length() == 25
-    out = model(ids[:, 25:30], past_key_values=cache, use_cache=True, **kw).logits
+    for cell in model.loop_layout.cells():
+        k, v = (x[:, :, :28] for x in full.cell_states(cell))  # the exact states (causal: the same at any length)
+        kc, vc = cache.cell_states(cell)
+        torch.testing.assert_close(kc[:, :, :4], k[:, :, :4], atol=0, rtol=0)  # sink exact
+        torch.testing.assert_close(kc[:, :, 4:25], fake_quantize_keys(k[:, :, 4:28], 4, group_size=8)[:, :, :21])
+        torch.testing.assert_close(vc[:, :, 4:25], fake_quantize_values(v[:, :, 4:28], 4, group_size=16)[:, :, :21])
+    before = [cache.cell_states(cell) for cell in model.loop_layout.cells()]
+    model(ids[:, 25:30], past_key_values=cache, use_cache=True, **kw)
+    for cell, (k, v) in zip(model.loop_layout.cells(), before):  # decoding on keeps what the crop left
+        for a, b in zip(cache.cell_states(cell), (k, v)):
+            torch.testing.assert_close(a[:, :, :25], b, atol=0, rtol=0)
     model(ids[:, :30], past_key_values=fresh, use_cache=True, **kw)
-    assert torch.isfinite(out).all() and cache.get_seq_length() == 30
+    assert cache.get_seq_length() == 30
     assert cache.stored_bytes() == fresh.stored_bytes()
-    assert cache.layer_for(Cell("core", 1, 1)).hist_end == fresh.layer_for(Cell("core", 1, 1)).hist_end == 20
+    assert cache.layer_for(Cell("core", 1, 1)).window_start == fresh.layer_for(Cell("core", 1, 1)).window_start == 20
 
 
 @torch.no_grad()
@@ -168,29 +181,55 @@ def test_generate_with_loopkv_presets(arch):
     ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40] * 6])
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    kw = call_kwargs(arch)
     for name in ("kivi4", "kivi2", "kivi4-share", "hand"):
+        plan = _small_plan(model.loop_layout, name)
         out = model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, name)),
+            past_key_values=LoopKVCache(model, plan),
             max_new_tokens=20,
             min_new_tokens=20,
             do_sample=False,
             pad_token_id=0,
-            **call_kwargs(arch),
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
         )
-        assert out.shape == (1, ids.shape[1] + 20)
+        assert out.sequences.shape == (1, ids.shape[1] + 20)
+        # reference: the same cache fed the generated tokens one forward at a time (teacher forcing)
+        cache, seq = LoopKVCache(model, plan), out.sequences
+        full_mask = torch.cat([mask, torch.ones(1, 20, dtype=mask.dtype)], dim=1)
+        logits = [model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, **kw).logits[:, -1]]
+        for t in range(ids.shape[1], seq.shape[1] - 1):
+            step = model(
+                seq[:, t : t + 1], attention_mask=full_mask[:, : t + 1], past_key_values=cache, use_cache=True, **kw
+            )
+            logits.append(step.logits[:, -1])
+        for a, b in zip(out.logits, logits):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        greedy = torch.stack(logits, 1).index_fill(-1, torch.tensor([2]), -math.inf).argmax(-1)  # EOS 2: min tokens
+        assert torch.equal(seq[:, ids.shape[1] :], greedy)
+    plan = _small_plan(model.loop_layout, "hand")
+    prompt = ids[:, :20]  # 30 new tokens: pages of generated tokens, which differ between beams, get coded
     beams = model.generate(
-        ids,
-        past_key_values=LoopKVCache(model, _small_plan(model.loop_layout, "hand")),
-        num_beams=2,
-        max_new_tokens=12,
-        min_new_tokens=12,
+        prompt,
+        past_key_values=LoopKVCache(model, plan),
+        num_beams=3,
+        max_new_tokens=30,
+        min_new_tokens=30,
         do_sample=False,
         pad_token_id=0,
-        **call_kwargs(arch),
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kw,
     )
-    assert beams.shape == (1, ids.shape[1] + 12)
+    assert beams.sequences.shape == (1, prompt.shape[1] + 30)
+    # the best beam's score is its log-probability under a fresh cache fed its tokens: the reordered rows (sink,
+    # window and codes) followed the beam
+    expected = teacher_forced_logprob(model, beams.sequences, prompt.shape[1], LoopKVCache(model, plan), **kw)
+    assert float(beams.sequences_scores[0]) == pytest.approx(expected, rel=1e-5, abs=1e-4)  # fp32 sums
 
 
 def test_loopkv_cache_errors():

@@ -246,6 +246,10 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def draft_kwargs(self, loops: int) -> dict[str, Any]:
+        """A draft runs `loops` loops and exits at its last one (whatever the config's exit rule)."""
+        return {**super().draft_kwargs(loops), "exit_at_step": loops - 1}
+
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 

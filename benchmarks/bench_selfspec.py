@@ -1,0 +1,394 @@
+"""Self-speculative decoding against sequential decoding through the same decode loop, with RIPE Eq. (7)-(8) beside.
+
+Two modes:
+
+- `--acceptance-only` (CPU is enough): real greedy acceptance of the trained fixtures (`tiny-ouro`, `tiny-huginn`) on
+  held-out prompts, per cache and draft depth; writes `results/<out>.json` (`selfspec_acceptance` by default).
+- default (GPU): per shape x cache x batch, sequential decoding (`block_size=0`: one full-depth one-token forward per
+  step, the same loop, cache and host sync per step as the speculative run) and self-speculative decoding
+  (`draft_loops=d`, `block_size=gamma`), each with the same prompt, the same number of new tokens per row (EOS off)
+  and a fresh cache. Fixtures decode with their real acceptance; the real-size random-weight shapes (Ouro-1.4B,
+  Huginn-0125) cannot agree with their drafts, so their verifier outcome is forced (`forced_acceptance=alpha`: each
+  draft token accepted with probability alpha, independently, as Eq. 7 assumes) at the acceptance the same-family
+  fixture measured with the same cache earlier in the same call (pooled over its batches; else from
+  `--acceptance-file`); the drafts, verifications, rollbacks and commits they run are the real ones.
+
+Per row: decode time (total minus prefill, CUDA synchronised), tokens/s, the measured speed-up, tokens per
+verification `tau` (per row, and `tau_eff` = new tokens / verifications, what the slowest row of a batch allows), the
+acceptance at each draft position, the cost ratios `c = t(draft forward) / t(sequential step)` and
+`v = t(verification) / t(sequential step)`, RIPE Eq. (8)'s prediction `S = tau(alpha, gamma) / (gamma c + 1)` (eta = 1,
+tau from Eq. 7 at the measured alpha) and the accounting `tau_eff / (gamma c + v)`. Timing phases needs syncs, so the
+speculative run passes a `SpeculativeStats` (the step already syncs once per verification for the acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, build, peak_gib, reset_peak, timed, write_rows
+from hf_loopcache import (
+    DeepestPlaneCache,
+    FullLoopCache,
+    LoopKVCache,
+    RIPECache,
+    SpeculativeStats,
+    self_speculative_generate,
+)
+from hf_loopcache.fixtures import heldout_documents, load_fixture
+
+CACHES = {
+    "full": lambda model, gamma: FullLoopCache(model),
+    "ripe64": lambda model, gamma: RIPECache(model, window=max(64, gamma)),
+    "deepest": lambda model, gamma: DeepestPlaneCache(model),
+    "loopkv-kivi4-share": lambda model, gamma: LoopKVCache(model, "kivi4-share"),
+}
+FIXTURES = ("tiny-ouro", "tiny-huginn")
+#: draft depth per shape (Huginn-0125: RIPE's d = 4 of 32; the fixtures' acceptance is measured at these depths)
+DRAFT_LOOPS = {"tiny-ouro": 2, "ouro-1.4b": 2, "tiny-huginn": 4, "huginn-0125": 4, "micro-ouro": 2, "micro-huginn": 2}
+#: the fixture whose measured acceptance drives a random-weight shape
+FAMILY = {
+    "ouro-1.4b": "tiny-ouro",
+    "micro-ouro": "tiny-ouro",
+    "huginn-0125": "tiny-huginn",
+    "micro-huginn": "tiny-huginn",
+}
+
+
+def tau_eq7(alpha: float, gamma: int) -> float:
+    """RIPE Eq. (7): expected tokens per verification at flat acceptance `alpha`."""
+    return float(gamma + 1) if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def speedup_eq8(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """RIPE Eq. (8) with eta = 1: `tau(alpha, gamma) / (gamma c(d)/c(R) + 1)`."""
+    return tau_eq7(alpha, gamma) / (gamma * cost_ratio + 1.0)
+
+
+def _model(shape: str, dtype: torch.dtype, device: str):
+    if shape in FIXTURES:
+        model, tok = load_fixture(shape, dtype=dtype, device=device)
+    else:
+        model, tok = build(shape, dtype, device), None
+    model.generation_config.eos_token_id = None  # every row decodes exactly `new_tokens`
+    return model, tok
+
+
+def _prompts(shape: str, model: Any, tok: Any, batch: int, length: int, device: str) -> torch.Tensor:
+    if tok is None:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(1, model.config.vocab_size, (batch, length), generator=gen).to(device)
+    rows = []
+    for text in heldout_documents():
+        ids = tok(text, return_tensors="pt")["input_ids"][0]
+        if ids.shape[0] >= length:
+            rows.append(ids[:length])
+        if len(rows) == batch:
+            break
+    if len(rows) < batch:
+        raise ValueError(f"only {len(rows)} held-out documents have {length} tokens; lower --prompt")
+    return torch.stack(rows).to(device)
+
+
+def _decode(model, ids, cache, *, draft, gamma, new_tokens, alpha, kwargs) -> tuple[SpeculativeStats, float]:
+    stats = SpeculativeStats()
+    gen = torch.Generator(device=ids.device).manual_seed(0)
+    _, total = timed(
+        lambda: self_speculative_generate(
+            model,
+            ids,
+            draft_loops=draft,
+            block_size=gamma,
+            max_new_tokens=new_tokens,
+            cache=cache,
+            speculative_stats=stats,
+            forced_acceptance=alpha,
+            generator=gen,
+            **kwargs,
+        ),
+        str(ids.device),
+    )
+    return stats, total - stats.prefill_time_s
+
+
+def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]:
+    gamma, draft, device = args.block_size, DRAFT_LOOPS[shape], args.device
+    kwargs = {"init_scale": 0.0} if "huginn" in shape else {}
+    new = args.new_tokens
+    row: dict[str, Any] = {
+        "shape": shape,
+        "cache": cache_name,
+        "batch": batch,
+        "prompt": ids.shape[1],
+        "new_tokens": new,
+        "dtype": args.dtype,
+        "layout": model.loop_layout.describe(),
+        "draft_loops": draft,
+        "block_size": gamma,
+        "acceptance": "real" if alpha is None else f"forced at {alpha:.4f}",
+    }
+    try:
+        reset_peak(device)
+        seq_stats, t_seq = _decode(
+            model,
+            ids,
+            CACHES[cache_name](model, gamma),
+            draft=draft,
+            gamma=0,
+            new_tokens=new,
+            alpha=None,
+            kwargs=kwargs,
+        )
+        seq_peak = peak_gib(device)
+        reset_peak(device)
+        stats, t_spec = _decode(
+            model,
+            ids,
+            CACHES[cache_name](model, gamma),
+            draft=draft,
+            gamma=gamma,
+            new_tokens=new,
+            alpha=alpha,
+            kwargs=kwargs,
+        )
+    except torch.OutOfMemoryError as err:
+        row.update(status="oom", error=str(err).splitlines()[0][:200])
+        return row
+    steps = new - 1  # tokens after the one the prefill gives
+    t_step = t_seq / steps
+    t_draft = stats.draft_time_s / max(1, stats.draft_forwards)
+    t_verify = stats.verify_time_s / max(1, stats.verifications)
+    c, v = t_draft / t_step, t_verify / t_step
+    alpha_hat = stats.acceptance_rate
+    tau_eff = steps / max(1, stats.verifications)
+    row.update(
+        status="ok",
+        sequential_decode_s=round(t_seq, 4),
+        speculative_decode_s=round(t_spec, 4),
+        sequential_tokens_per_s=round(batch * steps / t_seq, 2),
+        speculative_tokens_per_s=round(batch * steps / t_spec, 2),
+        speedup=round(t_seq / t_spec, 3),
+        acceptance_rate=round(alpha_hat, 4),
+        acceptance_by_position=[round(a, 4) for a in stats.acceptance_by_position],
+        accepted=list(stats.accepted),
+        reached=list(stats.reached),
+        tokens_per_verification=round(stats.tokens_per_verification, 3),
+        tau_eq7=round(tau_eq7(alpha_hat, gamma), 3),
+        tau_eff=round(tau_eff, 3),
+        verifications=stats.verifications,
+        ms_sequential_step=round(1000 * t_step, 3),
+        ms_draft_forward=round(1000 * t_draft, 3),
+        ms_verification=round(1000 * t_verify, 3),
+        cost_ratio_draft=round(c, 4),
+        cost_ratio_verify=round(v, 4),
+        cost_ratio_layer_passes=round(_passes(model, draft) / _passes(model, model.loop_layout.num_loops), 4),
+        predicted_speedup_eq8=round(speedup_eq8(alpha_hat, gamma, c), 3),
+        predicted_speedup_accounting=round(tau_eff / (gamma * c + v), 3),
+        speedup_over_eq8=round((t_seq / t_spec) / speedup_eq8(alpha_hat, gamma, c), 3),
+        peak_memory_gib_sequential=seq_peak,
+        peak_memory_gib_speculative=peak_gib(device),
+    )
+    return row
+
+
+def _passes(model, loops: int) -> int:
+    """RIPE's c(d) = n_pre + d n_core + n_coda, in layer passes."""
+    layout = model.loop_layout
+    return layout.n_prelude + loops * layout.n_core + layout.n_coda
+
+
+def measure_acceptance(args) -> None:
+    """Real greedy acceptance of the fixtures at batch 1 over several held-out prompts (fp32, CPU is enough)."""
+    rows = []
+    for shape in args.shapes:
+        model, tok = _model(shape, getattr(torch, args.dtype), args.device)
+        ids_all = _prompts(shape, model, tok, args.prompts, args.prompt, args.device)
+        kwargs = {"init_scale": 0.0} if "huginn" in shape else {}
+        for cache_name in args.caches:
+            for draft in sorted({DRAFT_LOOPS[shape], *args.extra_draft_loops}):
+                if not 1 <= draft < model.loop_layout.num_loops:
+                    continue
+                total = SpeculativeStats()
+                for i in range(ids_all.shape[0]):
+                    stats = SpeculativeStats()
+                    self_speculative_generate(
+                        model,
+                        ids_all[i : i + 1],
+                        draft_loops=draft,
+                        block_size=args.block_size,
+                        max_new_tokens=args.new_tokens,
+                        cache=CACHES[cache_name](model, args.block_size),
+                        speculative_stats=stats,
+                        **kwargs,
+                    )
+                    _merge(total, stats)
+                row = {
+                    "shape": shape,
+                    "cache": cache_name,
+                    "draft_loops": draft,
+                    "num_loops": model.loop_layout.num_loops,
+                    "block_size": args.block_size,
+                    "prompts": ids_all.shape[0],
+                    "prompt": args.prompt,
+                    "new_tokens": args.new_tokens,
+                    "dtype": args.dtype,
+                    "device": args.device,
+                    "acceptance_rate": round(total.acceptance_rate, 4),
+                    "acceptance_by_position": [round(a, 4) for a in total.acceptance_by_position],
+                    "tokens_per_verification": round(total.tokens_per_verification, 3),
+                    "tau_eq7": round(tau_eq7(total.acceptance_rate, args.block_size), 3),
+                    "verifications": total.verifications,
+                }
+                print(row, flush=True)
+                rows.append(row)
+    print("wrote", write_rows(args.out, rows))
+
+
+def _merge(total: SpeculativeStats, stats: SpeculativeStats) -> None:
+    n = max(len(total.reached), len(stats.reached))
+    total.reached = [a + b for a, b in zip(total.reached + [0] * n, stats.reached + [0] * n)][:n]
+    total.accepted = [a + b for a, b in zip(total.accepted + [0] * n, stats.accepted + [0] * n)][:n]
+    total.verifications += stats.verifications
+    total.draft_forwards += stats.draft_forwards
+    total.row_verifications += stats.row_verifications
+    total.accepted_tokens += stats.accepted_tokens
+
+
+def _alpha(shape: str, cache_name: str, rows: list[dict[str, Any]], acceptance: dict[tuple[str, str], float]):
+    """The acceptance that drives a random-weight shape: pooled over this run's rows of the same-family fixture with
+    the same cache (same dtype, prompt and block size), else from the acceptance file. Returns (alpha, source)."""
+    if shape in FIXTURES:
+        return None, "real"
+    family = FAMILY[shape]
+    same = [r for r in rows if r.get("status") == "ok" and r["shape"] == family and r["cache"] == cache_name]
+    if same:
+        accepted = sum(sum(r["accepted"]) for r in same)
+        reached = sum(sum(r["reached"]) for r in same)
+        return accepted / max(1, reached), f"{family} in this run, batches {[r['batch'] for r in same]}"
+    key = (family, cache_name)
+    if key not in acceptance:
+        raise ValueError(
+            f"no measured acceptance for {key}: run the fixture in the same call or pass --acceptance-file"
+        )
+    return acceptance[key], f"{family} from {Path(acceptance['__file__']).name}"  # type: ignore[index]
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    markers = {"full": "o", "ripe64": "s", "deepest": "^", "loopkv-kivi4-share": "D"}
+    colors = {1: "tab:blue", 8: "tab:orange"}
+    top = max([1.0] + [max(r["speedup"], r["predicted_speedup_eq8"]) for r in ok]) * 1.1
+    ax.plot([0, top], [0, top], color="grey", lw=0.8, label="measured = Eq. (8)")
+    ax.plot([0, top], [0, 0.9 * top], color="grey", lw=0.8, ls="--", label="0.9 x Eq. (8)")
+    for r in ok:
+        ax.scatter(
+            r["predicted_speedup_eq8"],
+            r["speedup"],
+            marker=markers.get(r["cache"], "x"),
+            color=colors.get(r["batch"], "tab:green"),
+            s=40,
+        )
+        ax.annotate(
+            r["shape"],
+            (r["predicted_speedup_eq8"], r["speedup"]),
+            fontsize=6,
+            xytext=(3, 2),
+            textcoords="offset points",
+        )
+    for cache, m in markers.items():
+        ax.scatter([], [], marker=m, color="black", label=cache)
+    for batch, col in colors.items():
+        ax.scatter([], [], marker="o", color=col, label=f"batch {batch}")
+    ax.set_xlabel("RIPE Eq. (8) prediction (measured alpha and draft cost ratio, eta = 1)")
+    ax.set_ylabel("measured speed-up over sequential decoding")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.legend(fontsize=7)
+    ax.set_title("Self-speculative decoding (same decode loop both ways)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--acceptance-only", action="store_true", help="measure the fixtures' real acceptance only")
+    parser.add_argument("--shapes", nargs="+", default=None)
+    parser.add_argument("--caches", nargs="+", default=["full", "ripe64", "deepest"], choices=sorted(CACHES))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8, help="--acceptance-only: held-out prompts per fixture")
+    parser.add_argument("--extra-draft-loops", nargs="*", type=int, default=[], help="--acceptance-only: more d")
+    parser.add_argument(
+        "--acceptance-file",
+        default=str(RESULTS / "selfspec_acceptance.json"),
+        help="fallback acceptance for random-weight shapes whose fixture is not in the same call",
+    )
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-seconds", type=float, default=220.0, help="skip the remaining rows after this long")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.acceptance_only:
+        args.shapes = args.shapes or list(FIXTURES)
+        args.out = args.out or "selfspec_acceptance"
+        measure_acceptance(args)
+        return
+    args.shapes = args.shapes or [*FIXTURES, "ouro-1.4b", "huginn-0125"]
+    args.out = args.out or "selfspec"
+    acceptance: dict[Any, Any] = {}
+    if Path(args.acceptance_file).exists():
+        acceptance = {
+            (r["shape"], r["cache"]): r["acceptance_rate"]
+            for r in json.loads(Path(args.acceptance_file).read_text())["rows"]
+            if r["draft_loops"] == DRAFT_LOOPS[r["shape"]] and r["block_size"] == args.block_size
+        }
+        acceptance["__file__"] = args.acceptance_file
+    start, rows = time.perf_counter(), []
+    for shape in args.shapes:
+        model, tok = _model(shape, getattr(torch, args.dtype), args.device)
+        warm = _prompts(shape, model, tok, 1, 64, args.device)
+        for gamma in (0, args.block_size):  # warm-up: kernels, allocator, both loop depths
+            self_speculative_generate(
+                model,
+                warm,
+                draft_loops=DRAFT_LOOPS[shape],
+                block_size=gamma,
+                max_new_tokens=6,
+                forced_acceptance=None if shape in FIXTURES else 0.5,
+                **({"init_scale": 0.0} if "huginn" in shape else {}),
+            )
+        for cache_name in args.caches:
+            for batch in args.batches:
+                if time.perf_counter() - start > args.max_seconds:
+                    rows.append({"shape": shape, "cache": cache_name, "batch": batch, "status": "skipped (time)"})
+                    continue
+                ids = _prompts(shape, model, tok, batch, args.prompt, args.device)
+                alpha, source = _alpha(shape, cache_name, rows, acceptance)
+                row = run_row(model, shape, cache_name, batch, ids, args, alpha)
+                row["acceptance_source"] = source
+                print(row, flush=True)
+                rows.append(row)
+        del model
+        reset_peak(args.device)
+    print("wrote", write_rows(args.out, rows))
+    png = RESULTS / f"{args.out}.png"
+    plot(rows, png)
+    print("wrote", png)
+
+
+if __name__ == "__main__":
+    main()

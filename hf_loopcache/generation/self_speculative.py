@@ -1,0 +1,619 @@
+"""Self-speculative decoding for looped models: draft with `d` loops, verify with all `R` in one pass (RIPE Alg. 1).
+
+One step, per row of the batch (gpt-fast's shape, in small named functions):
+
+1. `draft_block`: `gamma` forwards of one token each with `d` loops (Ouro: `num_loops=d`, exit at loop `d`; Huginn:
+   `num_steps=d`) from the row's last emitted token; they write planes `< d` (and prelude/coda) of the draft positions.
+2. `cache.rollback(n)`: drop the draft's positions from every cell (cells of the planes `>= d` never had them).
+3. `verify_block`: one forward of `[last, y_1 .. y_gamma]` with all loops: the target distributions `p_0 .. p_gamma`.
+4. `acceptance.greedy_accept` / `speculative_accept`: row `b` accepts `k_b` drafts and emits `k_b + 1` tokens.
+5. `commit_block`: keep the block's positions up to `n + 1 + max_b k_b`; row `b`'s rejected positions below that become
+   *holes* (`attention_mask` False). Position ids count a row's real tokens (the cumsum of the mask, as for left
+   padding), and windowed cells (RIPE, LoopKV) count their read boundary in each row's *effective* positions (holes
+   left out, `attention.effective_positions`), so a row's window holds its own last `W` tokens. No row waits or
+   re-prefills.
+
+Why holes are exact (full cache; RIPE with `W >= gamma`): a hole is a masked key, so it gets zero attention weight, and
+every real key keeps its position id and, in effective positions, its distance to every later query. Each real key is
+therefore read with the same plane and the same rotary phase as in sequential decoding of that row alone, and the
+block pass equals token-by-token decoding (RIPE Proposition 1 needs `W >= gamma`: the block's own earlier tokens lie in
+every block query's window). The deepest-plane cache (`W = 0`) breaks the premise (verification then reads plane `r`
+of earlier block tokens, which sequential decoding reads at plane `R`): allowed, approximate (RIPE Sec. 4, 5.2).
+LoopKV caches run (their pages are coded by storage position, so a page may hold holes) and are approximate too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.utils import logging
+
+from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
+from hf_loopcache.generation.acceptance import greedy_accept, sample_from_uniform, speculative_accept
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["SpeculativeStats", "self_speculative", "self_speculative_generate"]
+
+
+@dataclass
+class SpeculativeStats:
+    """Statistics of a self-speculative run; pass one as `speculative_stats=` and it is filled in place.
+
+    Counts are per row-verification of rows still generating. Timing synchronises the device around each phase, so
+    it is only measured when a stats object is passed (without one the decoder adds no syncs).
+
+    Attributes:
+        verifications (`int`): verification passes (whole batch).
+        draft_forwards (`int`): draft passes (whole batch; `gamma` per verification, fewer near `max_new_tokens`).
+        row_verifications (`int`): verifications summed over the rows still generating at each.
+        accepted_tokens (`int`): accepted draft tokens over those rows.
+        reached (`list[int]`): per draft position `i`, how often it was tested (every earlier draft accepted).
+        accepted (`list[int]`): per draft position `i`, how often it was accepted.
+        draft_time_s / verify_time_s (`float`): wall time of drafting (incl. the rollback) and verification (incl.
+            acceptance and commit); `prefill_time_s` the first pass.
+    """
+
+    verifications: int = 0
+    draft_forwards: int = 0
+    row_verifications: int = 0
+    accepted_tokens: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+
+    @property
+    def tokens_per_verification(self) -> float:
+        """Mean tokens a row gets from one verification (`k + 1`), RIPE's tau (Eq. 7)."""
+        return (self.accepted_tokens + self.row_verifications) / max(1, self.row_verifications)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Acceptance at each draft position given that all earlier ones were accepted (RIPE Fig. 5a)."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Pooled conditional acceptance `alpha` (accepted over tested draft tokens)."""
+        return sum(self.accepted) / max(1, sum(self.reached))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verifications": self.verifications,
+            "draft_forwards": self.draft_forwards,
+            "row_verifications": self.row_verifications,
+            "accepted_tokens": self.accepted_tokens,
+            "tokens_per_verification": self.tokens_per_verification,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "reached": list(self.reached),
+            "accepted": list(self.accepted),
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+            "prefill_time_s": self.prefill_time_s,
+        }
+
+    def _record(self, accept_length: list[int], gamma: int, active: list[bool]) -> None:
+        if len(self.reached) < gamma:
+            self.reached += [0] * (gamma - len(self.reached))
+            self.accepted += [0] * (gamma - len(self.accepted))
+        self.verifications += 1
+        self.draft_forwards += gamma
+        for k, live in zip(accept_length, active):
+            if not live:
+                continue
+            self.row_verifications += 1
+            self.accepted_tokens += k
+            for i in range(min(k + 1, gamma)):
+                self.reached[i] += 1
+            for i in range(k):
+                self.accepted[i] += 1
+
+
+# --------------------------------------------------------------------------------------------- the decoding state
+@dataclass
+class _Rows:
+    """Per-row bookkeeping on the host: generated tokens (incl. the last, not yet cached one) and who is done."""
+
+    prompt: torch.Tensor  # [B, P] the (left-padded) prompt, on the model's device
+    generated: list[list[int]]
+    finished: list[bool]
+
+    def prefix(self, row: int) -> torch.Tensor:
+        """`input_ids` `[1, P + generated]` of one row, as plain `generate` would hold them for it."""
+        gen = torch.tensor(self.generated[row], dtype=torch.long, device=self.prompt.device)
+        return torch.cat([self.prompt[row], gen])[None]
+
+
+class _Timer:
+    """Accumulates wall time of a phase into a `SpeculativeStats` field, syncing only when stats are requested."""
+
+    def __init__(self, stats: SpeculativeStats | None, name: str, device: torch.device) -> None:
+        self.stats, self.name, self.device = stats, name, device
+
+    def __enter__(self) -> None:
+        if self.stats is not None:
+            _sync(self.device)
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stats is not None:
+            _sync(self.device)
+            setattr(self.stats, self.name, getattr(self.stats, self.name) + time.perf_counter() - self.t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _process(
+    logits_processor: LogitsProcessorList, rows: _Rows, scores: torch.Tensor, extra: torch.Tensor | None
+) -> torch.Tensor:
+    """Logits processors and warpers on `scores` `[B, V]`, each row with the `input_ids` plain `generate` would pass:
+    its prompt, its generated tokens and `extra` `[B, i]` (draft tokens before this position).
+
+    Processors see the whole batch in every call (some keep per-row state, e.g. a repetition penalty's prompt
+    lengths). When rows have generated different numbers of tokens, the batch is processed once per length, each
+    time keeping the rows of that length (the other rows get their sequence cut or left-filled to it, and their
+    outputs are discarded); at batch 1, or when all rows are level, that is one call."""
+    if not logits_processor:
+        return scores
+    lengths = [len(gen) for gen in rows.generated]
+    extra_len = extra.shape[1] if extra is not None else 0
+    out: torch.Tensor | None = None
+    for length in sorted(set(lengths)):
+        seqs = []
+        for b, gen in enumerate(rows.generated):
+            seq = torch.cat(
+                [rows.prompt[b], torch.tensor(gen, dtype=torch.long, device=scores.device)]
+                + ([extra[b]] if extra_len else [])
+            )
+            want = rows.prompt.shape[1] + length + extra_len
+            seq = seq[-want:] if seq.shape[0] >= want else torch.cat([seq.new_zeros(want - seq.shape[0]), seq])
+            seqs.append(seq)
+        processed = logits_processor(torch.stack(seqs), scores.clone())
+        if len(set(lengths)) == 1:
+            return processed
+        if out is None:
+            out = torch.empty_like(scores)
+        members = torch.tensor([b for b, n in enumerate(lengths) if n == length], device=scores.device)
+        out[members] = processed[members]
+    return out  # type: ignore[return-value]
+
+
+def _choose(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> tuple[torch.Tensor, Any]:
+    """Token per row from processed scores `[B, V]`: argmax, or a draw from the softmax (returns the probs too)."""
+    if not do_sample:
+        return scores.argmax(dim=-1), None
+    probs = torch.softmax(scores, dim=-1)
+    uniform = torch.rand(scores.shape[0], device=scores.device, generator=generator)
+    return sample_from_uniform(probs, uniform), probs
+
+
+@dataclass
+class _Step:
+    """Inputs every forward of the decoder shares."""
+
+    model: Any
+    cache: Any
+    forward_kwargs: dict[str, Any]  # the caller's model kwargs (e.g. Huginn's `init_scale`), verify depth included
+    draft_kwargs: dict[str, Any]  # the same with the draft depth
+    logits_processor: LogitsProcessorList
+    do_sample: bool
+    generator: torch.Generator | None
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, *, draft: bool, keep: int) -> torch.Tensor:
+        kwargs = self.draft_kwargs if draft else self.forward_kwargs
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{CACHE_KWARG: self.cache},
+            **kwargs,
+        )
+        return out.logits.float()
+
+
+def draft_block(
+    step: _Step, rows: _Rows, last: torch.Tensor, mask: torch.Tensor, gamma: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`gamma` one-token forwards with the draft depth from `last` `[B]`: draft tokens `[B, gamma]` (and, when
+    sampling, their distributions `[B, gamma, V]`). Writes the draft positions into planes `< d`; the caller rolls
+    them back."""
+    tokens = last[:, None]
+    drafts: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    for _ in range(gamma):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        logits = step.forward(tokens, mask, draft=True, keep=1)[:, -1]
+        extra = torch.stack(drafts, dim=1) if drafts else None
+        token, p = _choose(_process(step.logits_processor, rows, logits, extra), step.do_sample, step.generator)
+        drafts.append(token)
+        if p is not None:
+            probs.append(p)
+        tokens = token[:, None]
+    draft_tokens = torch.stack(drafts, dim=1) if drafts else last.new_zeros(last.shape[0], 0)
+    return draft_tokens, (torch.stack(probs, dim=1) if probs else None)
+
+
+def verify_block(step: _Step, rows: _Rows, last: torch.Tensor, draft_tokens: torch.Tensor, mask: torch.Tensor):
+    """One full-depth forward of `[last, y_1 .. y_gamma]`: processed target scores `[B, gamma + 1, V]`."""
+    block = torch.cat([last[:, None], draft_tokens], dim=1)
+    q = block.shape[1]
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], q)], dim=1)
+    logits = step.forward(block, mask, draft=False, keep=q)
+    if not step.logits_processor:
+        return logits
+    return torch.stack(
+        [_process(step.logits_processor, rows, logits[:, i], draft_tokens[:, :i]) for i in range(q)], dim=1
+    )
+
+
+def accept_block(
+    step: _Step,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_scores: torch.Tensor,
+    forced_acceptance: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_length` `[B]` and the emitted token after it `[B]`, by the greedy or the sampling rule (or, for speed
+    measurements on random weights only, by coin flips of probability `forced_acceptance`)."""
+    b, gamma = draft_tokens.shape
+    if forced_acceptance is not None:
+        coins = torch.rand(b, gamma, device=draft_tokens.device, generator=step.generator) < forced_acceptance
+        accept_length = coins.long().cumprod(dim=-1).sum(dim=-1)
+        next_token = target_scores.argmax(-1).gather(1, accept_length[:, None]).squeeze(1)
+        return accept_length, next_token
+    if not step.do_sample:
+        return greedy_accept(draft_tokens, target_scores.argmax(dim=-1))
+    uniforms = torch.rand(b, gamma + 1, device=draft_tokens.device, generator=step.generator)
+    target_probs = torch.softmax(target_scores, dim=-1)
+    if draft_probs is None:  # gamma = 0: nothing drafted, the emitted token is drawn from p_0
+        draft_probs = target_probs[:, :0]
+    return speculative_accept(draft_probs, target_probs, draft_tokens, uniforms)
+
+
+def commit_block(cache: Any, mask: torch.Tensor, start: int, accept_length: torch.Tensor, max_accept: int):
+    """Keep the verified block's positions `[start, start + 1 + max_accept)`; for row `b` the ones beyond its
+    `1 + k_b` become holes. Returns the new `attention_mask` `[B, start + 1 + max_accept]`."""
+    cache.rollback(start + 1 + max_accept)
+    kept = torch.arange(1 + max_accept, device=mask.device)[None] <= accept_length[:, None].to(mask.device)
+    return torch.cat([mask, kept.to(mask.dtype)], dim=1)
+
+
+# --------------------------------------------------------------------------------------------- the decoder
+def _stop_rules(stopping_criteria: StoppingCriteriaList) -> tuple[int | None, set[int], list[Any]]:
+    """Split the criteria into the ones the decoder applies natively (max length, EOS) and the rest (called per row)."""
+    max_length, eos, other = None, set(), []
+    for criterion in stopping_criteria:
+        if isinstance(criterion, MaxLengthCriteria):
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif isinstance(criterion, EosTokenCriteria):
+            eos |= {int(t) for t in torch.as_tensor(criterion.eos_token_id).flatten().tolist()}
+        else:
+            other.append(criterion)
+    return max_length, eos, other
+
+
+def _emit(rows: _Rows, emitted: list[list[int]], rules: tuple[int | None, set[int], list[Any]], streamer: Any) -> None:
+    """Append each row's emitted tokens one at a time, stopping a row exactly where plain `generate` would."""
+    max_length, eos, other = rules
+    prompt_len = rows.prompt.shape[1]
+    for b, tokens in enumerate(emitted):
+        if rows.finished[b]:
+            continue
+        for token in tokens:
+            rows.generated[b].append(token)
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            done = token in eos or (max_length is not None and prompt_len + len(rows.generated[b]) >= max_length)
+            if not done and other:
+                ids = rows.prefix(b)
+                done = any(bool(c(ids, None).any()) for c in other)
+            if done:
+                rows.finished[b] = True
+                break
+
+
+def _speculative_decode(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    *,
+    draft_loops: int,
+    block_size: int,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    do_sample: bool,
+    pad_token_id: int | None,
+    forward_kwargs: dict[str, Any],
+    streamer: Any = None,
+    speculative_stats: SpeculativeStats | None = None,
+    forced_acceptance: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The decoding loop both entry points share. Returns the sequences `[B, P + max generated]` (pad after a row's
+    end, as plain `generate`)."""
+    device = input_ids.device
+    b = input_ids.shape[0]
+    mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    draft_kwargs = {**forward_kwargs, **model.draft_kwargs(draft_loops)}
+    step = _Step(model, cache, forward_kwargs, draft_kwargs, logits_processor, do_sample, generator)
+    rows = _Rows(prompt=input_ids, generated=[[] for _ in range(b)], finished=[False] * b)
+    rules = _stop_rules(stopping_criteria)
+    max_length = rules[0]
+    cache.set_max_rollback(max(cache.max_rollback, block_size))
+
+    with _Timer(speculative_stats, "prefill_time_s", device):
+        logits = step.forward(input_ids, mask, draft=False, keep=1)[:, -1]
+        last, _ = _choose(_process(logits_processor, rows, logits, None), do_sample, generator)
+    _emit(rows, [[t] for t in last.tolist()], rules, streamer)
+
+    while not all(rows.finished):
+        start = cache.get_seq_length()
+        gamma = block_size
+        if max_length is not None:  # a block never needs to reach beyond the longest row's remaining budget
+            room = max(max_length - input_ids.shape[1] - len(g) for g, f in zip(rows.generated, rows.finished) if not f)
+            gamma = max(0, min(gamma, room - 1))
+        with _Timer(speculative_stats, "draft_time_s", device):
+            draft_tokens, draft_probs = draft_block(step, rows, last, mask, gamma)
+            if gamma:
+                cache.rollback(start)
+        with _Timer(speculative_stats, "verify_time_s", device):
+            target_scores = verify_block(step, rows, last, draft_tokens, mask)
+            accept_length, next_token = accept_block(step, draft_tokens, draft_probs, target_scores, forced_acceptance)
+            host = torch.cat([accept_length[:, None], draft_tokens, next_token[:, None]], dim=1).tolist()  # one sync
+            accepted = [r[0] for r in host]
+            max_accept = max(k for k, f in zip(accepted, rows.finished) if not f)
+            accept_length = accept_length.clamp(max=max_accept)  # finished rows keep no more than the others
+            mask = commit_block(cache, mask, start, accept_length, max_accept)
+            last = next_token
+        if speculative_stats is not None:
+            speculative_stats._record(accepted, gamma, [not f for f in rows.finished])
+        emitted = [r[1 : 1 + r[0]] + [r[-1]] for r in host]
+        _emit(rows, emitted, rules, streamer)
+
+    if streamer is not None:
+        streamer.end()
+    longest = max(len(g) for g in rows.generated)
+    if any(len(g) < longest for g in rows.generated) and pad_token_id is None:
+        raise ValueError("rows stopped at different lengths and no `pad_token_id` is set to fill the shorter ones")
+    fill = pad_token_id if pad_token_id is not None else 0
+    out = torch.tensor([g + [fill] * (longest - len(g)) for g in rows.generated], dtype=torch.long, device=device)
+    return torch.cat([input_ids, out], dim=1)
+
+
+# --------------------------------------------------------------------------------------------- validation
+def _check_args(model: Any, cache: Any, draft_loops: Any, block_size: Any, forced_acceptance: Any, verify_loops: int):
+    if not hasattr(model, "draft_kwargs") or not hasattr(model, "loop_layout"):
+        raise TypeError(
+            f"self-speculative decoding needs a native looped model (hf_loopcache OuroForCausalLM or "
+            f"HuginnForCausalLM), got {type(model).__name__}"
+        )
+    if not getattr(cache, "is_loop_cache", False):
+        raise TypeError(
+            f"self-speculative decoding needs a LoopCache (FullLoopCache, RIPECache, DeepestPlaneCache, "
+            f"LoopKVCache), got {type(cache).__name__}"
+        )
+    if isinstance(draft_loops, bool) or not isinstance(draft_loops, int) or not 1 <= draft_loops < verify_loops:
+        raise ValueError(
+            f"`draft_loops` must be an int in [1, {verify_loops - 1}] (fewer than the {verify_loops} verify loops), "
+            f"got {draft_loops!r}"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+        raise ValueError(
+            f"`block_size` must be a non-negative int (draft tokens per verification; 0 decodes sequentially), "
+            f"got {block_size!r}"
+        )
+    if forced_acceptance is not None and not (
+        isinstance(forced_acceptance, (int, float)) and 0.0 <= forced_acceptance <= 1.0
+    ):
+        raise ValueError(f"`forced_acceptance` must be None or a float in [0, 1], got {forced_acceptance!r}")
+    if cache.layout.num_loops < verify_loops:
+        raise ValueError(
+            f"the cache holds {cache.layout.num_loops} loops but verification runs {verify_loops}; build the cache "
+            f"with `num_loops={verify_loops}`"
+        )
+    window = cache.plan.window if any(o != "bf16" for o in cache.plan.options.values()) else None
+    if window is not None and window < block_size:
+        logger.warning_once(
+            f"self-speculative decoding over a windowed cache with window {window} < block_size {block_size} is "
+            f"approximate: verifying a block reads planes that sequential decoding would not (RIPE Proposition 1 "
+            f"needs window >= block_size; the deepest-plane cache has window 0)."
+        )
+
+
+def _verify_loops(model: Any, forward_kwargs: dict[str, Any]) -> int:
+    loops = forward_kwargs.get(model.loop_kwarg)
+    return int(loops) if isinstance(loops, int) else model.loop_layout.num_loops
+
+
+_UNSUPPORTED = {
+    "num_beams": (1, "beam search"),
+    "num_beam_groups": (1, "group beam search"),
+    "penalty_alpha": (None, "contrastive search"),
+    "dola_layers": (None, "DoLa decoding"),
+    "prompt_lookup_num_tokens": (None, "prompt lookup decoding"),
+    "output_scores": (False, "returning scores"),
+    "output_logits": (False, "returning logits"),
+    "output_attentions": (False, "returning attentions"),
+    "output_hidden_states": (False, "returning hidden states"),
+}
+
+
+def _check_generation_config(generation_config: GenerationConfig) -> None:
+    for name, (allowed, mode) in _UNSUPPORTED.items():
+        value = getattr(generation_config, name, allowed)
+        if value is not None and value != allowed and not (allowed is None and value is False):
+            raise ValueError(
+                f"self-speculative decoding supports greedy decoding and sampling only; {mode} "
+                f"(`{name}={value!r}`) is not supported (allowed: {allowed!r})"
+            )
+
+
+# --------------------------------------------------------------------------------------------- entry points
+def self_speculative(
+    model: Any,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: Any = None,
+    draft_loops: int | None = None,
+    block_size: int = 4,
+    speculative_stats: SpeculativeStats | None = None,
+    forced_acceptance: float | None = None,
+    tokenizer: Any = None,
+    **model_kwargs: Any,
+) -> Any:
+    """Self-speculative decoding as a `generate` strategy:
+    `model.generate(..., custom_generate=hf_loopcache.self_speculative, draft_loops=d, block_size=gamma)`.
+
+    `generate` prepares the inputs, the cache (a `FullLoopCache` unless one is passed), the logits processors and
+    warpers (applied to draft and target alike) and the stopping criteria, then calls this function. Greedy output
+    equals plain greedy `generate` with the same cache where the math says so (full cache; RIPE with
+    `window >= block_size`); sampling draws every token from the same distribution as plain sampling.
+
+    Args:
+        draft_loops (`int`): `d`, loops (Ouro) or recurrent steps (Huginn) of a draft, `1 <= d < R`.
+        block_size (`int`, *optional*, defaults to 4): `gamma`, draft tokens per verification (0: sequential).
+        speculative_stats (`SpeculativeStats`, *optional*): filled with acceptance and timing statistics.
+        forced_acceptance (`float`, *optional*): benchmarks on random weights only: accept each draft token with this
+            probability regardless of the tokens (the output is then meaningless; the cost is real).
+        tokenizer: taken by `generate` for `stop_strings` (listed here so that `generate` hands it over).
+        model_kwargs: passed to every forward (e.g. Huginn's `init_scale=0` for a deterministic state; use the same
+            in the sequential run you compare with). `num_loops` / `num_steps` set the verification depth `R`.
+
+    Returns:
+        `torch.LongTensor` `[B, prompt + generated]`, or with `return_dict_in_generate=True` a
+        `GenerateDecoderOnlyOutput` holding `sequences` and the cache.
+    """
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    if draft_loops is None:
+        raise ValueError("self-speculative decoding needs `draft_loops` (loops of a draft, fewer than the model's)")
+    if synced_gpus:
+        raise ValueError("self-speculative decoding does not support `synced_gpus=True`")
+    _check_generation_config(generation_config)
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError(f"a streamer is supported at batch size 1 only, got batch size {input_ids.shape[0]}")
+    cache = model_kwargs.pop(CACHE_KWARG, None)
+    if cache is None:
+        cache = model_kwargs.pop("past_key_values", None)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    for name in ("position_ids", "use_cache", "logits_to_keep", "cache_position", "return_dict"):
+        model_kwargs.pop(name, None)
+    verify_loops = _verify_loops(model, model_kwargs)
+    _check_args(model, cache, draft_loops, block_size, forced_acceptance, verify_loops)
+    pad = generation_config._pad_token_tensor
+    sequences = _speculative_decode(
+        model,
+        input_ids,
+        attention_mask,
+        cache,
+        draft_loops=draft_loops,
+        block_size=block_size,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        do_sample=bool(generation_config.do_sample),
+        pad_token_id=int(pad) if pad is not None else None,
+        forward_kwargs=model_kwargs,
+        streamer=streamer,
+        speculative_stats=speculative_stats,
+        forced_acceptance=forced_acceptance,
+    )
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences, **{OUTPUT_CACHE_FIELD: cache})
+    return sequences
+
+
+def self_speculative_generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    draft_loops: int,
+    block_size: int = 4,
+    max_new_tokens: int = 32,
+    attention_mask: torch.Tensor | None = None,
+    cache: Any = None,
+    do_sample: bool = False,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: Any = None,
+    speculative_stats: SpeculativeStats | None = None,
+    forced_acceptance: float | None = None,
+    generator: torch.Generator | None = None,
+    **model_kwargs: Any,
+) -> torch.Tensor:
+    """Self-speculative decoding as a plain function (no `generate` preparation around it).
+
+    Args:
+        model: a native looped model (`OuroForCausalLM`, `HuginnForCausalLM`).
+        input_ids (`torch.LongTensor` of shape `[B, P]`): the prompts, left-padded.
+        draft_loops (`int`): `d`, loops of a draft. block_size (`int`): `gamma` (0: sequential decoding through the
+            same loop, the fair baseline for speed-ups).
+        max_new_tokens (`int`): tokens to generate per row at most.
+        attention_mask (`torch.Tensor` of shape `[B, P]`, *optional*): 1 for real tokens.
+        cache (`LoopCache`, *optional*): defaults to a `FullLoopCache` of the model.
+        do_sample (`bool`): sample (from the processed logits) instead of greedy.
+        eos_token_id / pad_token_id: a row stops at EOS; shorter rows are filled with `pad_token_id` (defaults: the
+            model's `generation_config`, as `generate`; pad falls back to EOS).
+        logits_processor / stopping_criteria: extra processors (applied to draft and target) and criteria.
+        streamer, speculative_stats, forced_acceptance: see `self_speculative`.
+        generator (`torch.Generator`, *optional*): the random source of sampling and forced acceptance.
+        model_kwargs: passed to every forward (e.g. `init_scale=0` for Huginn).
+
+    Returns:
+        `torch.LongTensor` `[B, P + generated]`.
+    """
+    from hf_loopcache.cache import FullLoopCache
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be a positive int, got {max_new_tokens!r}")
+    if cache is None:
+        cache = FullLoopCache(model, num_loops=_verify_loops(model, model_kwargs))
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError(f"a streamer is supported at batch size 1 only, got batch size {input_ids.shape[0]}")
+    _check_args(model, cache, draft_loops, block_size, forced_acceptance, _verify_loops(model, model_kwargs))
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    if pad_token_id is None:
+        pad_token_id = model.generation_config.pad_token_id
+    criteria = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    if eos_token_id is not None:
+        criteria.append(EosTokenCriteria(eos_token_id))
+        if pad_token_id is None:
+            pad_token_id = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
+    criteria.extend(stopping_criteria or [])
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    return _speculative_decode(
+        model,
+        input_ids,
+        attention_mask,
+        cache,
+        draft_loops=draft_loops,
+        block_size=block_size,
+        logits_processor=logits_processor or LogitsProcessorList(),
+        stopping_criteria=criteria,
+        do_sample=do_sample,
+        pad_token_id=pad_token_id,
+        forward_kwargs=model_kwargs,
+        streamer=streamer,
+        speculative_stats=speculative_stats,
+        forced_acceptance=forced_acceptance,
+        generator=generator,
+    )

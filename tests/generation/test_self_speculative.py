@@ -1,0 +1,271 @@
+"""Self-speculative decoding end to end: greedy output equals plain greedy `generate` with the same cache where the
+math says so (full cache; RIPE with W >= gamma), per row of a left-padded batch whose rows accept different lengths;
+`generate` semantics (EOS, max_new_tokens, processors, streamers) and refusals; sampling's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+
+from hf_loopcache import (
+    DeepestPlaneCache,
+    FullLoopCache,
+    LoopKVCache,
+    RIPECache,
+    SpeculativeStats,
+    self_speculative,
+    self_speculative_generate,
+)
+from hf_loopcache.cache import loopkv_preset
+from tests.helpers import call_kwargs, make_model
+
+_CACHES = {
+    "full": lambda m, g: FullLoopCache(m),
+    "ripe-W=gamma": lambda m, g: RIPECache(m, window=g),
+    "ripe-W=gamma+3": lambda m, g: RIPECache(m, window=g + 3),
+}
+
+
+def _batch(left_pad: bool):
+    if not left_pad:
+        return torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]]), None
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7], [0, 0, 0, 21, 3, 44, 6, 50], [0, 11, 29, 4, 60, 13, 8, 31]])
+    return ids, (ids != 0).long()
+
+
+def _draft(model) -> int:
+    """Draft depth R - 1: random tiny models accept 20-40% of such drafts (fewer loops: almost none)."""
+    return model.loop_layout.num_loops - 1
+
+
+def _greedy_pair(model, arch, cache_name, gamma, draft, ids, mask, new_tokens, **extra):
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **call_kwargs(arch), **extra)
+    if mask is not None:
+        kw["attention_mask"] = mask
+    ref = model.generate(ids, past_key_values=_CACHES[cache_name](model, gamma), **kw)
+    stats = SpeculativeStats()
+    out = model.generate(
+        ids,
+        past_key_values=_CACHES[cache_name](model, gamma),
+        custom_generate=self_speculative,
+        draft_loops=draft,
+        block_size=gamma,
+        speculative_stats=stats,
+        **kw,
+    )
+    return ref, out, stats
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cache_name", list(_CACHES))
+@pytest.mark.parametrize("left_pad", [False, True], ids=["B1", "B3-left-padded"])
+def test_greedy_equals_sequential_generate_fp64(arch, cache_name, left_pad):
+    """fp64 random tiny models (drafts disagree often, so rows of a batch accept different lengths and leave holes)."""
+    model = make_model(arch).double()
+    ids, mask = _batch(left_pad)
+    ref, out, stats = _greedy_pair(model, arch, cache_name, 3, _draft(model), ids, mask, 20)
+    assert torch.equal(out, ref)
+    assert stats.verifications > 0 and 0 < stats.acceptance_rate < 1  # both outcomes happened
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "fixture, cache_name, batch",
+    [("tiny-ouro", "full", 2), ("tiny-ouro", "ripe-W=gamma", 1), ("tiny-huginn", "ripe-W=gamma", 2)],
+    ids=["ouro-full-B2-left-padded", "ouro-ripe-B1", "huginn-ripe-B2-left-padded"],
+)
+def test_greedy_equals_sequential_generate_on_trained_fixtures_fp32(fixture, cache_name, batch):
+    from hf_loopcache import load_fixture
+
+    model, tok = load_fixture(fixture)
+    model = model.float()
+    arch = "ouro" if "ouro" in fixture else "huginn"
+    tok.padding_side = "left"
+    enc = tok(["The capital of the old kingdom was", "Once upon a time"][:batch], return_tensors="pt", padding=True)
+    draft = model.loop_layout.num_loops // 2
+    ref, out, stats = _greedy_pair(model, arch, cache_name, 4, draft, enc["input_ids"], enc["attention_mask"], 12)
+    assert torch.equal(out, ref)
+    assert stats.tokens_per_verification > 1.5  # a trained model's drafts agree
+
+
+@torch.no_grad()
+def test_holes_count_in_effective_positions_for_ripe(arch):
+    """Rows accept different lengths, so later blocks read windows across holes: with W = gamma the window must count
+    a row's own positions. Decoding the rows one by one (no holes) gives the same tokens as the batch."""
+    model = make_model(arch, seed=1).double()
+    ids, mask = _batch(True)
+    kw = dict(
+        max_new_tokens=24, pad_token_id=0, custom_generate=self_speculative, draft_loops=_draft(model), block_size=3
+    )
+    batch = model.generate(
+        ids, attention_mask=mask, past_key_values=RIPECache(model, window=3), **kw, **call_kwargs(arch)
+    )
+    for b in range(ids.shape[0]):
+        row = ids[b : b + 1, int((mask[b] == 0).sum()) :]
+        alone = model.generate(row, past_key_values=RIPECache(model, window=3), **kw, **call_kwargs(arch))
+        new = alone[0, row.shape[1] :]
+        assert torch.equal(new, batch[b, ids.shape[1] : ids.shape[1] + new.shape[0]])
+
+
+@torch.no_grad()
+def test_eos_and_max_new_tokens_inside_a_block(arch):
+    model = make_model(arch).double()
+    ids, mask = _batch(True)
+    ref, _, _ = _greedy_pair(model, arch, "full", 4, _draft(model), ids, mask, 12)
+    eos = int(ref[1, ids.shape[1] + 5])  # row 1's sixth token: EOS lands inside a block for that row
+    for new_tokens in (12, 7):  # 7 = prompt budget ends inside the second block
+        ref, out, _ = _greedy_pair(model, arch, "full", 4, _draft(model), ids, mask, new_tokens, eos_token_id=eos)
+        assert torch.equal(out, ref)
+        assert (ref[1, ids.shape[1] :] == eos).any()
+
+
+@torch.no_grad()
+def test_logits_processors_apply_to_draft_and_target():
+    model = make_model("ouro").double()
+    ids, mask = _batch(True)
+    extra = dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=6, eos_token_id=int(ids[0, 3]))
+    ref, out, stats = _greedy_pair(model, "ouro", "ripe-W=gamma", 3, _draft(model), ids, mask, 14, **extra)
+    assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_stop_string_inside_a_block():
+    from hf_loopcache import load_fixture
+
+    model, tok = load_fixture("tiny-ouro")
+    model = model.float()
+    enc = tok(["Once upon a time"], return_tensors="pt")
+    plain = model.generate(**enc, max_new_tokens=10, do_sample=False)
+    stop = tok.decode(plain[0, enc["input_ids"].shape[1] + 4])  # the text of the fifth token ends a block's middle
+    assert stop.strip()
+    kw = dict(max_new_tokens=10, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    ref = model.generate(**enc, **kw)
+    out = model.generate(**enc, custom_generate=self_speculative, draft_loops=2, block_size=4, **kw)
+    assert torch.equal(out, ref) and ref.shape[1] < plain.shape[1]
+
+
+class _Collect:
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.tolist())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+@torch.no_grad()
+def test_streamer_sees_what_plain_generate_streams(arch):
+    model = make_model(arch).double()
+    ids = torch.tensor([[5, 9, 17, 33]])
+    a, b = _Collect(), _Collect()
+    kw = dict(max_new_tokens=9, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+    model.generate(ids, streamer=a, **kw)
+    model.generate(ids, streamer=b, custom_generate=self_speculative, draft_loops=_draft(model), block_size=3, **kw)
+    assert a.chunks == b.chunks
+
+
+@torch.no_grad()
+def test_plain_function_and_sequential_baseline_match_generate(arch):
+    model = make_model(arch).double()
+    ids, mask = _batch(True)
+    kw = call_kwargs(arch)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, **kw)
+    for gamma in (0, 2):  # 0: sequential decoding through the same loop
+        out = self_speculative_generate(
+            model, ids, attention_mask=mask, draft_loops=_draft(model), block_size=gamma, max_new_tokens=10, **kw
+        )
+        assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cache_name", ["deepest-plane", "loopkv-kivi4"])
+def test_approximate_caches_run_and_decode_sequentially_exactly(cache_name):
+    """DeepestPlaneCache (W = 0) and LoopKV are allowed (approximate under speculation); through the same loop with
+    gamma = 0 they give plain generate's tokens."""
+    model = make_model("ouro", hidden_size=64).double()
+    ids, mask = _batch(True)
+    small = dict(sink=2, window=4, page_size=4, group_size=16)
+    build = {
+        "deepest-plane": DeepestPlaneCache,
+        "loopkv-kivi4": lambda m: LoopKVCache(m, loopkv_preset(m.loop_layout, "kivi4-share", **small), tau=14.0),
+    }[cache_name]
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=build(model), **kw)
+    seq = self_speculative_generate(
+        model, ids, attention_mask=mask, draft_loops=1, block_size=0, max_new_tokens=12, cache=build(model)
+    )
+    assert torch.equal(seq, ref)
+    spec = model.generate(
+        ids, past_key_values=build(model), custom_generate=self_speculative, draft_loops=2, block_size=3, **kw
+    )
+    assert spec.shape == ref.shape and torch.equal(spec[:, : ids.shape[1]], ids)
+
+
+def test_unsupported_modes_and_bad_arguments_are_refused():
+    model = make_model("ouro")
+    ids = torch.tensor([[5, 9, 17]])
+    base = dict(custom_generate=self_speculative, max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(ValueError, match="beam search"):
+        model.generate(ids, num_beams=2, draft_loops=1, **base)
+    with pytest.raises(ValueError, match="draft_loops"):
+        model.generate(ids, draft_loops=3, **base)
+    with pytest.raises(ValueError, match="draft_loops"):
+        model.generate(ids, **base)
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(ids, draft_loops=1, block_size=-1, **base)
+    with pytest.raises(ValueError, match="returning scores"):
+        model.generate(ids, draft_loops=1, output_scores=True, return_dict_in_generate=True, **base)
+    with pytest.raises(ValueError, match="streamer"):
+        model.generate(torch.cat([ids, ids]), draft_loops=1, streamer=_Collect(), **base)
+
+
+@torch.no_grad()
+def test_sampling_draws_the_target_distribution():
+    """Token 2 (the first from a verification) over 2000 sampled rows against its exact marginal
+    `sum_t1 p(t1) p(t2 | t1)` under the same temperature (chi-square, significance 1e-4)."""
+    model = make_model("ouro", vocab_size=8, initializer_range=0.5, eos_token_id=None).double()
+    prompt = torch.tensor([[5, 3, 6]])
+    warp = LogitsProcessorList([TemperatureLogitsWarper(1.5)])
+    n = 2000
+    out = self_speculative_generate(
+        model,
+        prompt.expand(n, -1),
+        draft_loops=1,
+        block_size=3,
+        max_new_tokens=3,
+        do_sample=True,
+        logits_processor=warp,
+        generator=torch.Generator().manual_seed(0),
+    )
+    p1 = torch.softmax(model(prompt).logits[0, -1] / 1.5, -1)
+    firsts = torch.cat([prompt.expand(8, -1), torch.arange(8)[:, None]], 1)
+    p2 = (p1[:, None] * torch.softmax(model(firsts).logits[:, -1] / 1.5, -1)).sum(0)
+    for j, p in ((0, p1), (1, p2)):
+        counts = torch.bincount(out[:, 3 + j], minlength=8).double()
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 29.88, f"token {j + 1}: chi2 {chi2:.1f}"
+
+
+@torch.no_grad()
+def test_return_dict_in_generate_returns_sequences_and_the_cache():
+    from hf_loopcache._compat import OUTPUT_CACHE_FIELD
+
+    model = make_model("ouro").double()
+    ids = torch.tensor([[5, 9, 17, 33]])
+    cache = RIPECache(model, window=3)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=RIPECache(model, window=3), **kw)
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        custom_generate=self_speculative,
+        draft_loops=2,
+        block_size=3,
+        return_dict_in_generate=True,
+        **kw,
+    )
+    assert torch.equal(out.sequences, ref) and getattr(out, OUTPUT_CACHE_FIELD) is cache
+    assert cache.get_seq_length() >= ref.shape[1] - 1  # the last token is emitted, not cached
