@@ -9,7 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hf_loopcache.cache import CachePlan, DeepestPlaneCache, FullLoopCache, LoopCache, LoopKVCache, RIPECache
+from hf_loopcache.cache import (
+    CachePlan,
+    DeepestPlaneCache,
+    FullLoopCache,
+    LoopCache,
+    LoopKVCache,
+    RIPECache,
+    build_cache,
+)
 from hf_loopcache.generation import SpeculativeStats, self_speculative, self_speculative_generate
 from hf_loopcache.layout import Cell, LoopLayout
 from hf_loopcache.models import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM, register
@@ -36,6 +44,7 @@ __all__ = [
     "RIPECache",
     "SpeculativeStats",
     "__version__",
+    "build_cache",
     "list_fixtures",
     "load_fixture",
     "register",

@@ -1,6 +1,6 @@
 """`hf-loopcache` command line (also `python -m hf_loopcache`).
 
-    hf-loopcache demo     [--model tiny-ouro] [--prompt TEXT] [--max-new-tokens N] [--cache full|ripe|kivi4|...]
+    hf-loopcache demo     [--model tiny-ouro] [--prompt TEXT] [--max-new-tokens N] [--cache full|ripe|loopkv:kivi4|PLAN]
     hf-loopcache info     --model NAME_OR_PATH
     hf-loopcache profile  --model NAME_OR_PATH [--documents FILE] --out profile.json [storage and replay options]
     hf-loopcache plan     --profile profile.json --damage-budget 1.19x [--storage-budget 156KiB] --out DIR
@@ -20,11 +20,10 @@ from typing import Any
 import torch
 
 from hf_loopcache._compat import CACHE_KWARG
+from hf_loopcache.cache import build_cache
 from hf_loopcache.fixtures import FIXTURES
 
 __all__ = ["main"]
-
-CACHE_CHOICES = ("full", "ripe", "deepest", "kivi4", "kivi2", "kivi4-share", "hand")
 
 
 def _load_model(name: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
@@ -46,18 +45,6 @@ def _forward_kwargs(model: Any) -> dict[str, Any]:
     return {"init_scale": 0.0} if model.config.model_type == "huginn_raven" else {}
 
 
-def _make_cache(model: Any, name: str, window: int) -> Any:
-    from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
-
-    if name == "full":
-        return FullLoopCache(model)
-    if name == "ripe":
-        return RIPECache(model, window=window)
-    if name == "deepest":
-        return DeepestPlaneCache(model)
-    return LoopKVCache(model, name)
-
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -69,7 +56,7 @@ def _fmt_bytes(n: float) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     model, tokenizer = _load_model(args.model, args.dtype, args.device)
     layout = model.loop_layout
-    cache = _make_cache(model, args.cache, args.window)
+    cache = build_cache(model, args.cache, **({} if args.window is None else {"window": args.window}))
     # the fixtures saw every document after their separator token, so prompts start with it
     text = (tokenizer.bos_token or "") + args.prompt if args.model in FIXTURES else args.prompt
     inputs = tokenizer(text, return_tensors="pt").to(args.device)
@@ -218,8 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default="And the LORD spake unto Moses, saying,")
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--repetition-penalty", type=float, default=1.2)
-    demo.add_argument("--cache", choices=CACHE_CHOICES, default="full")
-    demo.add_argument("--window", type=int, default=64, help="RIPE window")
+    demo.add_argument(
+        "--cache",
+        default="full",
+        help="full, ripe, deepest, loopkv:<preset> (kivi4, kivi2, kivi4-share, hand), a plan folder or a Hub id "
+        "(hf_loopcache.build_cache)",
+    )
+    demo.add_argument(
+        "--window", type=int, default=None, help="recent positions at full precision (ripe: 64, loopkv: 256)"
+    )
     demo.add_argument("--dtype", default="float32")
     demo.add_argument("--device", default="cpu")
     demo.set_defaults(func=cmd_demo)

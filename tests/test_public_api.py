@@ -25,6 +25,7 @@ def test_hf_loopcache_all():
             "RIPECache",
             "SpeculativeStats",
             "__version__",
+            "build_cache",
             "list_fixtures",
             "load_fixture",
             "register",

@@ -34,6 +34,10 @@ class HuginnConfig(PretrainedConfig):
         tie_embeddings (`bool`, *optional*, defaults to `True`): tie `lm_head` to `transformer.wte`.
         rope_base (`float`, *optional*, defaults to 50000): RoPE base.
         test_time_noise (`float`, *optional*, defaults to 0): must be 0 (noise injection is not implemented).
+        init_scale (`float`, *optional*, defaults to 0.0): inference default of `forward`'s `init_scale` (scale of the
+            random initial core state). 0 gives a zero state: deterministic outputs, the same in `generate`,
+            scoring and self-speculative drafts. The official code draws a random state (`init_scale=1.0`) on every
+            call; set 1.0 here (or pass `init_scale=1.0`) for that. Training mode keeps the official random state.
         Other official fields (`architecture_class_name`, `block_class_name`, `init_strategy`, ...) are kept as is;
         values other than the released ones raise.
     """
@@ -75,6 +79,7 @@ class HuginnConfig(PretrainedConfig):
         test_time_noise: float = 0.0,
         test_time_noise_type: str = "fixed",
         use_cache: bool = True,
+        init_scale: float = 0.0,
         **kwargs: Any,
     ):
         # the official config.json spells some fields by their standard names; the rest are derived below
@@ -128,6 +133,7 @@ class HuginnConfig(PretrainedConfig):
         self.num_key_value_heads = n_heads
         self.head_dim = n_embd // n_heads
         self.use_cache = use_cache
+        self.init_scale = init_scale
         super().__init__(tie_word_embeddings=tie_embeddings, **kwargs)  # type: ignore[call-arg]
         self._validate()
 
@@ -173,5 +179,7 @@ class HuginnConfig(PretrainedConfig):
             raise ValueError(
                 f"`test_time_noise` must be 0 (noise injection is not implemented), got {self.test_time_noise}"
             )
+        if isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)) or self.init_scale < 0:
+            raise ValueError(f"`init_scale` must be a non-negative number, got {self.init_scale!r}")
         if self.mean_recurrence < 1:
             raise ValueError(f"`mean_recurrence` must be a positive int, got {self.mean_recurrence}")

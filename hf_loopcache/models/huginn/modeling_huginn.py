@@ -10,7 +10,8 @@ Cache slots: prelude `0..P-1`, core step `s` layer `j` at `P + n_core * s + j`, 
 
 Differences from the official code, all deliberate: padding masks and per-row positions are honoured (the official
 forward ignores `attention_mask`); RoPE is computed for any position (the official buffer stops at `block_size`);
-a cache it does not know is never replaced; `test_time_noise` must be 0.
+a cache it does not know is never replaced; `test_time_noise` must be 0; in eval mode the initial state defaults to
+`config.init_scale` (0.0: zeros, deterministic) where the official code draws a random one (`init_scale=1.0`).
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         output_details: dict[str, bool] | None = None,
         use_cache: bool = False,
         cache_position: torch.Tensor | None = None,
-        init_scale: float = 1.0,
+        init_scale: float | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cache: Any = None,
@@ -283,7 +284,9 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
                 official code): the loss is `cross_entropy(logits, labels, ignore_index=-100)`.
             num_steps (`int` or `(int, int)`, *optional*): core steps; a pair is (steps without, with gradient);
                 defaults to `mean_recurrence` in eval mode and to the official random sampler in training mode.
-            init_scale (`float`, *optional*, defaults to 1.0): scale of the random initial state; 0 gives zeros.
+            init_scale (`float`, *optional*): scale of the random initial state; 0 gives zeros. Defaults to
+                `config.init_scale` (0.0 unless the config says otherwise) in eval mode and to the official 1.0 in
+                training mode.
             output_details (`dict`, *optional*): official switches `return_logits`, `return_latents`, `return_head`.
             past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
             cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
@@ -299,6 +302,8 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             embeds = self._part("wte")(input_ids)
         if self.emb_scale != 1:
             embeds = embeds * self.emb_scale
+        if init_scale is None:
+            init_scale = 1.0 if self.training else self.config.init_scale
         # RNG order of the official code: the initial state is drawn first, then the depth sampler runs
         x = input_states.clone() if input_states is not None else self.initialize_state(embeds, scale=init_scale)
         steps_no_grad, steps_with_grad = self._resolve_steps(num_steps)
