@@ -291,7 +291,7 @@ def build(
 
     Args:
         out: folder to write (`ruler/<task>.jsonl`, `synth/<task>_<haystack>.jsonl`, `manifest.json`).
-        tokenizer (`str`): a tokenizer folder or Hub id (`AutoTokenizer.from_pretrained`).
+        tokenizer (`str`): a tokenizer folder, a Hub id (`AutoTokenizer.from_pretrained`) or a fixture name.
         lengths (`list[int]`): prompt lengths in tokens, from `LENGTHS`.
         ruler_tasks (`list[str]`, *optional*): from `RULER_TASKS` (default: all 11); `[]` for none.
         synth_tasks (`list[str]`, *optional*): from `SYNTH_TASKS` (default: all 3); `[]` for none.
@@ -304,6 +304,10 @@ def build(
     """
     from importlib.metadata import version
 
+    from hf_loopcache.fixtures import FIXTURES, TOKENIZER_DIR
+
+    if tokenizer in FIXTURES:  # the shipped fixtures share one tokenizer
+        tokenizer = str(TOKENIZER_DIR)
     lengths = _check_lengths(list(lengths))
     ruler_tasks = list(RULER_TASKS) if ruler_tasks is None else list(ruler_tasks)
     synth_tasks = list(SYNTH_TASKS) if synth_tasks is None else list(synth_tasks)
@@ -415,7 +419,9 @@ def process_synth(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval_tasks.ruler", description=__doc__.splitlines()[0])
-    p.add_argument("--tokenizer", required=True, help="tokenizer folder or Hub id of the model to evaluate")
+    p.add_argument(
+        "--tokenizer", required=True, help="tokenizer folder, Hub id or fixture name of the model to evaluate"
+    )
     p.add_argument("--lengths", default="4096", help=f"comma-separated prompt lengths from {LENGTHS}")
     p.add_argument("--out", required=True)
     p.add_argument("--num-samples", type=int, default=500, help="items per task and length (upstream: 500)")

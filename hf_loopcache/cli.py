@@ -4,7 +4,7 @@
     hf-loopcache info     --model NAME_OR_PATH
     hf-loopcache profile  --model NAME_OR_PATH [--documents FILE] --out profile.json [storage and replay options]
     hf-loopcache plan     --profile profile.json --damage-budget 1.19x [--storage-budget 156KiB] --out DIR
-    hf-loopcache compare  RUN_A RUN_B [--margin 0.03] [--json FILE] [--markdown FILE] [--plot FILE.png]
+    hf-loopcache compare  RUN_A RUN_B [RUN_C ...] [--margin 0.03] [--json FILE] [--markdown FILE] [--plot FILE.png]
 
 `--model` takes a fixture name (`tiny-ouro`, `tiny-huginn`), a local folder or a Hub repository id.
 """
@@ -210,22 +210,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from hf_loopcache.compare import compare_runs, forest_plot, load_run, to_markdown
 
-    report = compare_runs(
-        load_run(args.run_a),
-        load_run(args.run_b),
-        margin=args.margin,
-        iters=args.iters,
-        seed=args.seed,
-        tasks=args.tasks,
-    )
-    text = to_markdown(report)
+    baseline = load_run(args.run_a)
+    reports = [
+        compare_runs(baseline, load_run(run), margin=args.margin, iters=args.iters, seed=args.seed, tasks=args.tasks)
+        for run in args.run_b
+    ]
+    text = "\n".join(to_markdown(report) for report in reports)
     print(text, end="")
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"comparisons": reports}, indent=2) + "\n")
     if args.plot:
-        forest_plot(report, args.plot)
+        forest_plot([(Path(run).name, report) for run, report in zip(args.run_b, reports)], args.plot)
     return 0
 
 
@@ -287,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compare", help="paired bootstrap of two lm-eval runs (--output_path with --log_samples)")
     comp.add_argument("run_a", help="baseline run: an lm-eval output folder or its results_*.json")
-    comp.add_argument("run_b", help="candidate run, same documents as RUN_A")
+    comp.add_argument("run_b", nargs="+", help="candidate run(s), same documents as RUN_A; each is compared with it")
     comp.add_argument("--margin", type=float, default=0.03, help="non-inferiority margin in metric units")
     comp.add_argument("--iters", type=int, default=10_000, help="bootstrap resamples")
     comp.add_argument("--seed", type=int, default=0)

@@ -260,9 +260,15 @@ def test_cli_writes_markdown_json_and_forest_plot(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| gsm8k | none | exact_match | 60 |" in printed and "5/2" in printed
     assert (out / "r.md").read_text() == printed
-    report = json.loads((out / "r.json").read_text())
+    (report,) = json.loads((out / "r.json").read_text())["comparisons"]
     assert report["rows"][0]["flips_down"] == 5 and report["margin"] == 0.03
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # several candidates against one baseline: one report each, one figure
+    assert (
+        main(["compare", str(a.path), str(b.path), str(a.path), "--iters", "200", "--json", str(out / "m.json")]) == 0
+    )
+    reports = json.loads((out / "m.json").read_text())["comparisons"]
+    assert [r["rows"][0]["flips_down"] for r in reports] == [5, 0]
 
 
 def test_forest_plot_stacks_comparisons(tmp_path):
