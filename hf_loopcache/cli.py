@@ -208,21 +208,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hf_loopcache.compare import compare_runs, forest_plot, load_run, to_markdown
+    from hf_loopcache.compare import compare_paths
 
-    baseline = load_run(args.run_a)
-    reports = [
-        compare_runs(baseline, load_run(run), margin=args.margin, iters=args.iters, seed=args.seed, tasks=args.tasks)
-        for run in args.run_b
-    ]
-    text = "\n".join(to_markdown(report) for report in reports)
+    text = compare_paths(
+        args.run_a, args.run_b, margin=args.margin, iters=args.iters, seed=args.seed, tasks=args.tasks,
+        suites=args.suite, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot,
+    )  # fmt: skip
     print(text, end="")
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"comparisons": reports}, indent=2) + "\n")
-    if args.plot:
-        forest_plot([(Path(run).name, report) for run, report in zip(args.run_b, reports)], args.plot)
     return 0
 
 
@@ -289,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--iters", type=int, default=10_000, help="bootstrap resamples")
     comp.add_argument("--seed", type=int, default=0)
     comp.add_argument("--tasks", nargs="+", default=None, help="compare only these tasks")
+    comp.add_argument(
+        "--suite", action="append", metavar="NAME=PATTERN[,PATTERN]", help="also the mean over matching tasks"
+    )
     comp.add_argument("--json", default=None, help="write the report as JSON")
     comp.add_argument("--markdown", default=None, help="write the Markdown table")
     comp.add_argument("--plot", default=None, help="write a PNG forest plot of the deltas")

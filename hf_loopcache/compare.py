@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import re
@@ -43,11 +44,13 @@ import numpy as np
 
 __all__ = [
     "Run",
+    "compare_paths",
     "compare_runs",
     "exact_mcnemar_p",
     "forest_plot",
     "load_run",
     "paired_bootstrap",
+    "stratified_bootstrap",
     "to_markdown",
 ]
 
@@ -129,6 +132,32 @@ def load_run(path: str | Path) -> Run:
 
 
 # ---------------------------------------------------------------------------------------------- statistics
+def _check_bootstrap_args(iters: int, alpha: float) -> None:
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"`iters` must be a positive int, got {iters!r}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"`alpha` must be in (0, 1), got {alpha}")
+
+
+def _resampled_means(d: np.ndarray, iters: int, rng: np.random.Generator) -> np.ndarray:
+    """`iters` means of `d` resampled with replacement (`chunk x n` indices at a time, bounded memory)."""
+    n = d.size
+    means = np.empty(iters)
+    chunk = max(1, 2_000_000 // n)
+    for start in range(0, iters, chunk):
+        stop = min(iters, start + chunk)
+        means[start:stop] = d[rng.integers(0, n, size=(stop - start, n))].mean(axis=1)
+    return means
+
+
+def _summarize(delta: float, means: np.ndarray, alpha: float) -> dict[str, float]:
+    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    # tolerance: resampled means equal to the observed one up to float rounding count as "as extreme"
+    extreme = np.abs(means - delta) >= abs(delta) - 1e-12
+    p_value = (1 + int(extreme.sum())) / (1 + means.size)
+    return {"delta": delta, "low": float(low), "high": float(high), "p_value": min(1.0, p_value)}
+
+
 def paired_bootstrap(
     a: np.ndarray, b: np.ndarray, *, iters: int = 10_000, seed: int | list[int] = 0, alpha: float = 0.05
 ) -> dict[str, float]:
@@ -142,29 +171,37 @@ def paired_bootstrap(
     Returns:
         `{"delta", "low", "high", "p_value"}`.
     """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"`a` and `b` must be 1-D arrays of the same positive length, got {a.shape} and {b.shape}")
-    if iters < 1:
-        raise ValueError(f"`iters` must be a positive int, got {iters}")
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"`alpha` must be in (0, 1), got {alpha}")
-    d = b - a
-    n = d.size
-    delta = float(d.mean())
+    return stratified_bootstrap([(a, b)], iters=iters, seed=seed, alpha=alpha)
+
+
+def stratified_bootstrap(
+    strata: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    iters: int = 10_000,
+    seed: int | list[int] = 0,
+    alpha: float = 0.05,
+) -> dict[str, float]:
+    """Paired bootstrap of the unweighted mean over strata (tasks) of `mean(b - a)` per stratum, resampling items
+    within each stratum: how lm-eval averages a group of tasks (`weight_by_size: false`). One stratum is
+    `paired_bootstrap`.
+
+    Returns:
+        `{"delta", "low", "high", "p_value"}`.
+    """
+    _check_bootstrap_args(iters, alpha)
+    if not strata:
+        raise ValueError("`strata` must hold at least one (a, b) pair of arrays, got none")
+    diffs = []
+    for a, b in strata:
+        a = np.asarray(a, dtype=np.float64)
+        b = np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+            raise ValueError(f"`a` and `b` must be 1-D arrays of the same positive length, got {a.shape} and {b.shape}")
+        diffs.append(b - a)
     rng = np.random.default_rng(seed)
-    means = np.empty(iters)
-    chunk = max(1, 2_000_000 // n)  # bounded memory: `chunk x n` indices at a time
-    for start in range(0, iters, chunk):
-        stop = min(iters, start + chunk)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        means[start:stop] = d[idx].mean(axis=1)
-    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    # tolerance: resampled means equal to the observed one up to float rounding count as "as extreme"
-    extreme = np.abs(means - delta) >= abs(delta) - 1e-12
-    p_value = (1 + int(extreme.sum())) / (1 + iters)
-    return {"delta": delta, "low": float(low), "high": float(high), "p_value": min(1.0, p_value)}
+    delta = float(np.mean([d.mean() for d in diffs]))
+    means = np.mean([_resampled_means(d, iters, rng) for d in diffs], axis=0)
+    return _summarize(delta, means, alpha)
 
 
 def exact_mcnemar_p(down: int, up: int) -> float:
@@ -278,6 +315,7 @@ def compare_runs(
     seed: int = 0,
     alpha: float = 0.05,
     tasks: list[str] | None = None,
+    suites: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """Paired comparison of `run_b` (candidate) against `run_a` (baseline), per task, filter and metric.
 
@@ -290,10 +328,13 @@ def compare_runs(
         alpha (`float`, *optional*, defaults to 0.05): two-sided level of the interval (0.05: a 95% interval).
         tasks (`list[str]`, *optional*): compare only these tasks (default: every task with samples; both runs must
             hold the same tasks).
+        suites (`dict[str, list[str]]`, *optional*): name -> task name patterns (`fnmatch`, e.g.
+            `{"ruler": ["loopcache_ruler_*"]}`): one more row per suite, filter and metric that all its tasks have,
+            for the unweighted mean over the tasks (lm-eval's group average), bootstrapped within each task.
 
     Returns:
         a JSON-ready dict: `run_a`, `run_b` (results file and model arguments), the settings, `rows` (one per task,
-        filter and metric: `n`, `mean_a`, `mean_b`, `delta`, `low`, `high`, `p_value`, `p_holm`, `p_exact` (0/1
+        filter and metric, then per suite; `suite` lists a suite's tasks, None for a task: `n`, `mean_a`, `mean_b`, `delta`, `low`, `high`, `p_value`, `p_holm`, `p_exact` (0/1
         metrics), `flips_down`, `flips_up`, `answers_changed`, `higher_is_better`, `verdict`) and `skipped`.
 
     Raises:
@@ -315,7 +356,7 @@ def compare_runs(
                 f"`tasks` {missing} are not in both runs; tasks in A: {sorted(run_a.samples)}, in B: "
                 f"{sorted(run_b.samples)}"
             )
-    rows: list[dict[str, Any]] = []
+    cells: dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray, int]] = {}
     skipped: list[dict[str, str]] = []
     for task in tasks:
         pairs = _pair(task, run_a.samples[task], run_b.samples[task])
@@ -339,33 +380,52 @@ def compare_runs(
                     continue
                 a = np.array([k[2] for k in kept])
                 b = np.array([k[3] for k in kept])
-                name = f"{task}|{filt}|{metric}"
-                stats = paired_bootstrap(a, b, iters=iters, seed=[seed, zlib.crc32(name.encode())], alpha=alpha)
-                binary = bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
-                down, up = int((b < a).sum()), int((b > a).sum())
                 changed = sum(
                     json.dumps(ra.get("filtered_resps"), default=str)
                     != json.dumps(rb.get("filtered_resps"), default=str)
                     for ra, rb, _, _ in kept
                 )
-                hib = _higher_is_better(run_a, task, metric)
-                rows.append(
-                    {
-                        "task": task,
-                        "filter": filt,
-                        "metric": metric,
-                        "n": int(a.size),
-                        "mean_a": float(a.mean()),
-                        "mean_b": float(b.mean()),
-                        **stats,
-                        "p_exact": exact_mcnemar_p(down, up) if binary else None,
-                        "flips_down": down,
-                        "flips_up": up,
-                        "answers_changed": int(changed),
-                        "higher_is_better": hib,
-                        "verdict": _verdict(stats["low"], stats["high"], float(margin), hib),
-                    }
-                )
+                cells[(task, filt, metric)] = (a, b, int(changed))
+    # one row per task, filter and metric, then one per suite (tasks averaged, items resampled within each task)
+    groups: list[tuple[str, list[str] | None, str, str, list[tuple[str, str, str]]]] = [
+        (task, None, filt, metric, [(task, filt, metric)]) for task, filt, metric in cells
+    ]
+    for name, patterns in (suites or {}).items():
+        members = [t for t in tasks if any(fnmatch.fnmatchcase(t, pat) for pat in patterns)]
+        if not members:
+            raise ValueError(f"suite {name!r}: no compared task matches {patterns}; compared tasks: {tasks}")
+        keys = [(f, m) for t, f, m in cells if t == members[0]]
+        for filt, metric in keys:
+            if all((t, filt, metric) in cells for t in members):
+                groups.append((name, members, filt, metric, [(t, filt, metric) for t in members]))
+    rows: list[dict[str, Any]] = []
+    for label, members, filt, metric, keys in groups:
+        strata = [cells[k][:2] for k in keys]
+        row_seed = [seed, zlib.crc32(f"{label}|{filt}|{metric}".encode())]
+        stats = stratified_bootstrap(strata, iters=iters, seed=row_seed, alpha=alpha)
+        a = np.concatenate([x for x, _ in strata])
+        b = np.concatenate([y for _, y in strata])
+        binary = members is None and bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
+        down, up = int((b < a).sum()), int((b > a).sum())
+        hib = all(_higher_is_better(run_a, t, metric) for t, _, _ in keys)
+        rows.append(
+            {
+                "task": label,
+                "suite": members,
+                "filter": filt,
+                "metric": metric,
+                "n": int(a.size),
+                "mean_a": float(np.mean([x.mean() for x, _ in strata])),
+                "mean_b": float(np.mean([y.mean() for _, y in strata])),
+                **stats,
+                "p_exact": exact_mcnemar_p(down, up) if binary else None,
+                "flips_down": down,
+                "flips_up": up,
+                "answers_changed": sum(cells[k][2] for k in keys),
+                "higher_is_better": hib,
+                "verdict": _verdict(stats["low"], stats["high"], float(margin), hib),
+            }
+        )
     for row, p in zip(rows, _holm([r["p_value"] for r in rows])):
         row["p_holm"] = p
     return {
@@ -385,6 +445,10 @@ def _fmt(x: float) -> str:
     return f"{x:+.3f}" if x else "0.000"
 
 
+def _label(row: dict[str, Any]) -> str:
+    return row["task"] if not row.get("suite") else f"**{row['task']}** (mean of {len(row['suite'])} tasks)"
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table (one row per task, filter and metric)."""
     conf = round(100 * report["confidence"])
@@ -401,7 +465,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         exact = f"{r['p_exact']:.3g}" if r["p_exact"] is not None else "-"
         lines.append(
-            f"| {r['task']} | {r['filter']} | {r['metric']} | {r['n']} | {r['mean_a']:.3f} | {r['mean_b']:.3f} "
+            f"| {_label(r)} | {r['filter']} | {r['metric']} | {r['n']} | {r['mean_a']:.3f} | {r['mean_b']:.3f} "
             f"| {_fmt(r['delta'])} | [{_fmt(r['low'])}, {_fmt(r['high'])}] | {r['p_value']:.3g} | {exact} "
             f"| {r['flips_down']}/{r['flips_up']} | {r['answers_changed']} | {r['verdict']} |"
         )
@@ -430,7 +494,8 @@ def forest_plot(reports: dict[str, Any] | list[tuple[str, dict[str, Any]]], path
     entries = []
     for label, report in reports:
         for r in report["rows"]:
-            name = f"{r['task']} {r['metric']}" + (f" ({r['filter']})" if r["filter"] != "none" else "")
+            task = r["task"] if not r.get("suite") else f"{r['task']} (mean of {len(r['suite'])})"
+            name = f"{task} {r['metric']}" + (f" ({r['filter']})" if r["filter"] != "none" else "")
             entries.append((f"{label}: {name}" if label else name, r, report["margin"]))
     if not entries:
         raise ValueError("`reports` hold no compared rows to plot")
@@ -456,3 +521,43 @@ def forest_plot(reports: dict[str, Any] | list[tuple[str, dict[str, Any]]], path
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def parse_suite(spec: str) -> tuple[str, list[str]]:
+    """`"NAME=PATTERN[,PATTERN...]"` (the command line's `--suite`) -> `(name, patterns)`."""
+    name, sep, patterns = spec.partition("=")
+    if not sep or not name or not patterns:
+        raise ValueError(f"`--suite` must be NAME=PATTERN[,PATTERN...] (e.g. ruler=loopcache_ruler_*), got {spec!r}")
+    return name, patterns.split(",")
+
+
+def compare_paths(
+    run_a: str | Path,
+    runs_b: list[str | Path],
+    *,
+    margin: float = 0.03,
+    iters: int = 10_000,
+    seed: int = 0,
+    tasks: list[str] | None = None,
+    suites: list[str] | None = None,
+    json_path: str | Path | None = None,
+    markdown_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+) -> str:
+    """`hf-loopcache compare RUN_A RUN_B [RUN_C ...]`: each candidate run against the baseline `run_a`; writes the
+    JSON (`{"comparisons": [report, ...]}`), Markdown and forest plot (all candidates in one figure) that are asked
+    for and returns the Markdown. `suites` are `--suite` strings (`parse_suite`)."""
+    parsed = dict(parse_suite(spec) for spec in suites or [])
+    baseline = load_run(run_a)
+    reports = [
+        compare_runs(baseline, load_run(b), margin=margin, iters=iters, seed=seed, tasks=tasks, suites=parsed)
+        for b in runs_b
+    ]
+    text = "\n".join(to_markdown(report) for report in reports)
+    if markdown_path:
+        Path(markdown_path).write_text(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"comparisons": reports}, indent=2) + "\n")
+    if plot_path:
+        forest_plot([(Path(b).name, report) for b, report in zip(runs_b, reports)], plot_path)
+    return text

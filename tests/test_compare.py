@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from hf_loopcache.cli import main
-from hf_loopcache.compare import compare_runs, exact_mcnemar_p, forest_plot, load_run, paired_bootstrap, to_markdown
+from hf_loopcache.compare import (
+    compare_runs,
+    exact_mcnemar_p,
+    forest_plot,
+    load_run,
+    paired_bootstrap,
+    stratified_bootstrap,
+    to_markdown,
+)
 
 STAMP = "2026-12-01T12-00-00.000001"
 
@@ -278,3 +286,43 @@ def test_forest_plot_stacks_comparisons(tmp_path):
     path = forest_plot([("ripe", report), ("kivi4", report)], tmp_path / "f.png")
     assert path.stat().st_size > 1000
     assert "delta (B-A)" in to_markdown(report)
+
+
+def test_library_and_eval_tasks_package_import_no_lm_eval():
+    """The library never imports lm_eval (compare reads lm-eval's files as JSON); `import eval_tasks` stays light."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hf_loopcache, hf_loopcache.compare, hf_loopcache.cli, eval_tasks, eval_tasks.synthetic\n"
+        "heavy = [m for m in ('lm_eval', 'datasets', 'matplotlib') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_suites_average_tasks_and_resample_within_each(tmp_path):
+    """A suite row is the unweighted mean over its tasks (lm-eval's group average), whatever their sizes."""
+    small_a = [(i, {"2048": 1}) for i in range(20)]
+    small_b = [(i, {"2048": int(i >= 10)}) for i in range(20)]  # -0.5
+    big = [(i, {"2048": 1}) for i in range(200)]  # 0
+    a = load_run(write_run(tmp_path / "a", {"loopcache_ruler_x": small_a, "loopcache_ruler_y": big, "other": big}))
+    b = load_run(write_run(tmp_path / "b", {"loopcache_ruler_x": small_b, "loopcache_ruler_y": big, "other": big}))
+    report = compare_runs(a, b, iters=2000, suites={"ruler": ["loopcache_ruler_*"]})
+    (suite,) = [r for r in report["rows"] if r["suite"]]
+    assert suite["suite"] == ["loopcache_ruler_x", "loopcache_ruler_y"] and suite["metric"] == "2048"
+    assert suite["delta"] == pytest.approx(-0.25) and suite["n"] == 220  # not the pooled -10/220
+    assert (suite["flips_down"], suite["flips_up"], suite["p_exact"]) == (10, 0, None)
+    # within-task resampling: the suite's spread is half the small task's (the big one has none)
+    (x,) = [r for r in report["rows"] if r["task"] == "loopcache_ruler_x"]
+    assert suite["high"] - suite["low"] == pytest.approx((x["high"] - x["low"]) / 2, rel=0.25)
+    assert "**ruler** (mean of 2 tasks)" in to_markdown(report)
+    with pytest.raises(ValueError, match="no compared task matches"):
+        compare_runs(a, b, iters=10, suites={"lb": ["loopcache_longbench_*"]})
+
+
+def test_one_stratum_is_the_paired_bootstrap():
+    rng = np.random.default_rng(2)
+    a, b = rng.random(50), rng.random(50)
+    assert stratified_bootstrap([(a, b)], iters=300, seed=1) == paired_bootstrap(a, b, iters=300, seed=1)

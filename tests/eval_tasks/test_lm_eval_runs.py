@@ -95,6 +95,43 @@ def test_gsm8k_from_local_files(lm, tmp_path):
     }
 
 
+def test_math500_from_a_local_file(lm, tmp_path):
+    pytest.importorskip("math_verify")
+    row = {"problem": "What is $2+3$?", "solution": "$2+3=\\boxed{5}$", "answer": "5", "subject": "Algebra",
+           "level": 1, "unique_id": "test/algebra/0.json"}  # fmt: skip
+    (tmp_path / "math500").mkdir()
+    (tmp_path / "math500" / "test.jsonl").write_text(json.dumps(row) + "\n")
+    results = evaluate(
+        lm, ["loopcache_minerva_math500"], {"data_dir": str(tmp_path)}, limit=1, gen_kwargs="max_gen_toks=4"
+    )
+    (sample,) = results["samples"]["loopcache_minerva_math500"]
+    prompt = sample["arguments"][0][0]
+    # upstream's 4 Minerva exemplars, then the problem
+    assert prompt.count("Problem:") == 5 and prompt.endswith("Problem:\nWhat is $2+3$?\n\nSolution:")
+    assert sample["doc"]["answer"] == "5"
+    assert set(results["results"]["loopcache_minerva_math500"]) >= {"exact_match,none", "math_verify,none"}
+
+
+def test_longbench_from_a_user_copy(lm, tmp_path):
+    for module in ("jieba", "fuzzywuzzy", "rouge"):
+        pytest.importorskip(module)
+    rows = [
+        {"input": "Which city is the capital of France?", "context": "Passage 1: Paris is the capital of France.",
+         "answers": ["Paris"], "length": 9, "dataset": "hotpotqa", "language": "en", "all_classes": None, "_id": "a"},
+        {"input": "Which river flows through Rome?", "context": "Passage 1: The Tiber flows through Rome.",
+         "answers": ["Tiber"], "length": 8, "dataset": "hotpotqa", "language": "en", "all_classes": None, "_id": "b"},
+    ]  # fmt: skip
+    (tmp_path / "longbench").mkdir()
+    (tmp_path / "longbench" / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = evaluate(
+        lm, ["loopcache_longbench_hotpotqa"], {"data_dir": str(tmp_path)}, limit=2, gen_kwargs="max_gen_toks=4"
+    )
+    samples = results["samples"]["loopcache_longbench_hotpotqa"]
+    assert [s["doc"]["question"] for s in samples] == [r["input"] for r in rows]
+    assert "Question: Which city is the capital of France?\nAnswer:" in samples[0]["arguments"][0][0]
+    assert set(results["results"]["loopcache_longbench_hotpotqa"]) >= {"score,none", "qa_f1_score,none"}
+
+
 def test_ruler_and_fixture_format_from_built_files(lm, ruler_dir, tmp_path):
     manifest = json.loads((ruler_dir / "manifest.json").read_text())
     assert manifest["lengths"] == [512] and manifest["num_samples"] == 2
