@@ -16,6 +16,9 @@ lm-eval output folders written with `--output_path DIR --log_samples` (`results_
   units): `non-inferior` when the lower end of the interval is above `-margin` (for metrics where lower is better:
   the upper end below `+margin`), `inferior` when the whole interval lies beyond the margin, else `inconclusive`.
 
+Suites (`suites={"ruler": ["loopcache_ruler_*"]}`, `--suite ruler=loopcache_ruler_*`) add a row for the unweighted
+mean over their tasks (lm-eval's group average), resampling items within each task (a stratified bootstrap).
+
 RULER-style metrics named after a prompt length hold `-1` for items of other lengths; a pair where both runs hold
 `-1` is left out of that metric (as lm-eval's RULER aggregation does). Metrics whose per-item values are not
 numbers (corpus-level metrics such as BLEU's) are listed as skipped.
