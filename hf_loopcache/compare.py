@@ -515,13 +515,12 @@ def forest_plot(reports: dict[str, Any] | list[tuple[str, dict[str, Any]]], path
         ax.axvline(-m, color="gray", linestyle="--", linewidth=0.8)
     ax.set_yticks(ys)
     ax.set_yticklabels([e[0] for e in entries], fontsize=8)
-    ax.set_xlabel(
-        f"delta (candidate - baseline), {round(100 * reports[0][1]['confidence'])}% paired bootstrap "
-        f"interval; dashed: -margin"
-    )
+    conf = round(100 * reports[0][1]["confidence"])
+    ax.set_xlabel(f"delta (candidate - baseline) with its {conf}% paired bootstrap interval\ndashed: -margin")
+    ax.set_title("green: non-inferior, red: inferior, orange: inconclusive", fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
