@@ -187,8 +187,8 @@ def _upstream(num_samples: int) -> Iterator[dict[str, Any]]:
         saved.append((module, _SAMPLERS[name], sampler))
         setattr(module, _SAMPLERS[name], capped)
     saved += [(prepare, "get_haystack", original_haystack), (modules["niah_utils"], "get_haystack", original_haystack)]
-    prepare.get_haystack = get_haystack
-    modules["niah_utils"].get_haystack = get_haystack
+    prepare.get_haystack = get_haystack  # type: ignore[attr-defined]
+    modules["niah_utils"].get_haystack = get_haystack  # type: ignore[attr-defined]
     try:
         yield modules
     finally:
@@ -254,7 +254,7 @@ def build_synth(
             for length in lengths:
                 for i in range(num_samples):
                     rng = random.Random(f"eval-{task}-{hname}-{length}-{seed}-{i}")
-                    kwargs = (
+                    kwargs: dict[str, Any] = (
                         {"num_chains": SYNTH_VARTRACK[0], "num_hops": SYNTH_VARTRACK[1]} if task == "vartrack" else {}
                     )
                     sample = generate_task(

@@ -373,7 +373,7 @@ def compare_runs(
                         {"task": task, "filter": filt, "metric": metric, "reason": "per-item values are not numbers"}
                     )
                     continue
-                kept = [(ra, rb, float(x), float(y)) for (ra, rb), (x, y) in zip(fpairs, values)]
+                kept = [(ra, rb, float(x), float(y)) for (ra, rb), (x, y) in zip(fpairs, values)]  # type: ignore[arg-type]
                 kept = [k for k in kept if not (k[2] == PLACEHOLDER and k[3] == PLACEHOLDER)]
                 if any(k[2] == PLACEHOLDER or k[3] == PLACEHOLDER for k in kept):
                     raise ValueError(
@@ -394,13 +394,12 @@ def compare_runs(
         (task, None, filt, metric, [(task, filt, metric)]) for task, filt, metric in cells
     ]
     for name, patterns in (suites or {}).items():
-        members = [t for t in tasks if any(fnmatch.fnmatchcase(t, pat) for pat in patterns)]
-        if not members:
+        matched = [t for t in tasks if any(fnmatch.fnmatchcase(t, pat) for pat in patterns)]
+        if not matched:
             raise ValueError(f"suite {name!r}: no compared task matches {patterns}; compared tasks: {tasks}")
-        keys = [(f, m) for t, f, m in cells if t == members[0]]
-        for filt, metric in keys:
-            if all((t, filt, metric) in cells for t in members):
-                groups.append((name, members, filt, metric, [(t, filt, metric) for t in members]))
+        for first, filt, metric in list(cells):
+            if first == matched[0] and all((t, filt, metric) in cells for t in matched):
+                groups.append((name, matched, filt, metric, [(t, filt, metric) for t in matched]))
     rows: list[dict[str, Any]] = []
     for label, members, filt, metric, keys in groups:
         strata = [cells[k][:2] for k in keys]
@@ -424,7 +423,7 @@ def compare_runs(
                 "p_exact": exact_mcnemar_p(down, up) if binary else None,
                 "flips_down": down,
                 "flips_up": up,
-                "answers_changed": sum(cells[k][2] for k in keys),
+                "answers_changed": int(sum(cells[k][2] for k in keys)),
                 "higher_is_better": hib,
                 "verdict": _verdict(stats["low"], stats["high"], float(margin), hib),
             }
