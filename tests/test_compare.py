@@ -326,3 +326,19 @@ def test_one_stratum_is_the_paired_bootstrap():
     rng = np.random.default_rng(2)
     a, b = rng.random(50), rng.random(50)
     assert stratified_bootstrap([(a, b)], iters=300, seed=1) == paired_bootstrap(a, b, iters=300, seed=1)
+
+
+def test_placeholder_in_one_run_only_is_refused(tmp_path):
+    a = load_run(write_run(tmp_path / "a", {"niah": [(0, {"2048": 1.0}), (1, {"2048": -1.0})]}))
+    b = load_run(write_run(tmp_path / "b", {"niah": [(0, {"2048": -1.0}), (1, {"2048": -1.0})]}))
+    with pytest.raises(ValueError, match="placeholder -1 in one run only"):
+        compare_runs(a, b, iters=10)
+
+
+def test_non_numeric_metrics_are_listed_as_skipped(tmp_path):
+    run = load_run(write_run(tmp_path / "a", {"t": [(i, {"bleu": ["ref", "pred"], "acc": 1}) for i in range(4)]}))
+    report = compare_runs(run, run, iters=10)
+    assert [r["metric"] for r in report["rows"]] == ["acc"]
+    assert report["skipped"] == [
+        {"task": "t", "filter": "none", "metric": "bleu", "reason": "per-item values are not numbers"}
+    ]
