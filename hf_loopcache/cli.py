@@ -4,6 +4,7 @@
     hf-loopcache info     --model NAME_OR_PATH
     hf-loopcache profile  --model NAME_OR_PATH [--documents FILE] --out profile.json [storage and replay options]
     hf-loopcache plan     --profile profile.json --damage-budget 1.19x [--storage-budget 156KiB] --out DIR
+    hf-loopcache compare  RUN_A RUN_B [RUN_C ...] [--margin 0.03] [--json FILE] [--markdown FILE] [--plot FILE.png]
 
 `--model` takes a fixture name (`tiny-ouro`, `tiny-huginn`), a local folder or a Hub repository id.
 """
@@ -194,6 +195,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hf_loopcache.compare import compare_paths
+
+    text = compare_paths(
+        args.run_a, args.run_b, margin=args.margin, iters=args.iters, seed=args.seed, tasks=args.tasks,
+        suites=args.suite, json_path=args.json, markdown_path=args.markdown, plot_path=args.plot,
+    )  # fmt: skip
+    print(text, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-loopcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -259,6 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", required=True)
     plan.add_argument("--push-to-hub", default=None, metavar="REPO_ID")
     plan.set_defaults(func=cmd_plan)
+
+    comp = sub.add_parser("compare", help="paired bootstrap of two lm-eval runs (--output_path with --log_samples)")
+    comp.add_argument("run_a", help="baseline run: an lm-eval output folder or its results_*.json")
+    comp.add_argument("run_b", nargs="+", help="candidate run(s), same documents as RUN_A; each is compared with it")
+    comp.add_argument("--margin", type=float, default=0.03, help="non-inferiority margin in metric units")
+    comp.add_argument("--iters", type=int, default=10_000, help="bootstrap resamples")
+    comp.add_argument("--seed", type=int, default=0)
+    comp.add_argument("--tasks", nargs="+", default=None, help="compare only these tasks")
+    comp.add_argument(
+        "--suite", action="append", metavar="NAME=PATTERN[,PATTERN]", help="also the mean over matching tasks"
+    )
+    comp.add_argument("--json", default=None, help="write the report as JSON")
+    comp.add_argument("--markdown", default=None, help="write the Markdown table")
+    comp.add_argument("--plot", default=None, help="write a PNG forest plot of the deltas")
+    comp.set_defaults(func=cmd_compare)
     return parser
 
 
