@@ -9,7 +9,10 @@ Two entry points:
   history decoded from codes or borrowed from another cell, a recent window and the new tokens. Used by cells
   whose positions are not all stored the same way. Computes in fp32 and supports LoopKV's read-time V precision.
 
-Both take `key_valid` (bool `[B, T]`, True for real tokens, None when every position is real) so left-padded
+`attention_weights` gives the softmax weights of `dense_attention` (an eager, fp32 computation); models call it only
+when `output_attentions=True`, on keys held at full precision.
+
+All take `key_valid` (bool `[B, T]`, True for real tokens, None when every position is real) so left-padded
 batches are exact: a padded key is never attended and a padded query attends to itself only (its output is
 never read by a real token).
 """
@@ -33,6 +36,7 @@ __all__ = [
     "LoopAttentionCache",
     "Segment",
     "VPrecision",
+    "attention_weights",
     "causal_padding_mask",
     "dense_attention",
     "segmented_attention",
@@ -134,6 +138,33 @@ def dense_attention(
         mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total])
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
+
+
+def attention_weights(
+    query: torch.Tensor, key: torch.Tensor, *, key_valid: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """The softmax weights `dense_attention` applies (eager softmax in fp32, or fp64 for fp64 inputs).
+
+    Args:
+        query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens.
+        key (`torch.Tensor` of shape `[B, H_kv, T, D]`): keys of positions `0..T-1`; the new tokens are the last `q`.
+        key_valid (`torch.BoolTensor` of shape `[B, >=T]`, *optional*): real-token mask by position.
+        scaling (`float`): softmax scale.
+
+    Returns:
+        `torch.Tensor` of shape `[B, H_q, q, T]` in the dtype of `query`; masked positions are exactly 0.
+    """
+    q_len, total = query.shape[2], key.shape[2]
+    past = total - q_len
+    if past < 0:
+        raise ValueError(f"`key` holds {total} positions but `query` has {q_len} new tokens")
+    acc = torch.promote_types(query.dtype, torch.float32)
+    key = _repeat_kv(key, query.shape[1] // key.shape[1])
+    scores = torch.matmul(query.to(acc), key.to(acc).transpose(-1, -2)) * scaling
+    positions = torch.arange(total, device=query.device)
+    valid = key_valid[:, :total].to(query.device) if key_valid is not None else None
+    mask = causal_padding_mask(positions[past:], positions, valid)
+    return torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1).to(query.dtype)
 
 
 @dataclass
