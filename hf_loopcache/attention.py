@@ -9,8 +9,8 @@ Two entry points:
   history decoded from codes or borrowed from another cell, a recent window and the new tokens. Used by cells
   whose positions are not all stored the same way. Computes in fp32 and supports LoopKV's read-time V precision.
 
-`attention_weights` gives the softmax weights of `dense_attention` (an eager, fp32 computation); models call it only
-when `output_attentions=True`, on keys held at full precision.
+`eager_attention` is `dense_attention` written out (scores, mask, softmax in fp32, weights times values) and also
+returns the weights; models use it only when `output_attentions=True`, on keys and values held at full precision.
 
 All take `key_valid` (bool `[B, T]`, True for real tokens, None when every position is real) so left-padded
 batches are exact: a padded key is never attended and a padded query attends to itself only (its output is
@@ -36,9 +36,9 @@ __all__ = [
     "LoopAttentionCache",
     "Segment",
     "VPrecision",
-    "attention_weights",
     "causal_padding_mask",
     "dense_attention",
+    "eager_attention",
     "segmented_attention",
 ]
 
@@ -140,31 +140,35 @@ def dense_attention(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
 
 
-def attention_weights(
-    query: torch.Tensor, key: torch.Tensor, *, key_valid: torch.Tensor | None, scaling: float
-) -> torch.Tensor:
-    """The softmax weights `dense_attention` applies (eager softmax in fp32, or fp64 for fp64 inputs).
+def eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    key_valid: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dense_attention` computed step by step (softmax in fp32, or fp64 for fp64 inputs), with its weights.
 
-    Args:
-        query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens.
-        key (`torch.Tensor` of shape `[B, H_kv, T, D]`): keys of positions `0..T-1`; the new tokens are the last `q`.
-        key_valid (`torch.BoolTensor` of shape `[B, >=T]`, *optional*): real-token mask by position.
-        scaling (`float`): softmax scale.
+    Args: as `dense_attention`.
 
     Returns:
-        `torch.Tensor` of shape `[B, H_q, q, T]` in the dtype of `query`; masked positions are exactly 0.
+        `(output, weights)`: `[B, H_q, q, D]` and `[B, H_q, q, T]`, both in the dtype of `query`; masked positions
+        have weight exactly 0 and the output is `weights @ value` (so gradients reach the weights).
     """
     q_len, total = query.shape[2], key.shape[2]
     past = total - q_len
     if past < 0:
         raise ValueError(f"`key` holds {total} positions but `query` has {q_len} new tokens")
     acc = torch.promote_types(query.dtype, torch.float32)
-    key = _repeat_kv(key, query.shape[1] // key.shape[1])
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     scores = torch.matmul(query.to(acc), key.to(acc).transpose(-1, -2)) * scaling
     positions = torch.arange(total, device=query.device)
     valid = key_valid[:, :total].to(query.device) if key_valid is not None else None
     mask = causal_padding_mask(positions[past:], positions, valid)
-    return torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1).to(query.dtype)
+    weights = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    return torch.matmul(weights, value.to(acc)).to(query.dtype), weights.to(query.dtype)
 
 
 @dataclass

@@ -329,6 +329,25 @@ class DenseLayer(LoopLayerBase):
         self._append(key_states, value_states)
         return self.buf.view(0, self.length)
 
+    # transformers' `CacheLayerMixin` attributes, read by code written for its own layers: every stored position
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self.buf.view(0, self.length)[0] if self.length else None
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a DenseLayer's `keys` are its storage; write them with `update`")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self.buf.view(0, self.length)[1] if self.length else None
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a DenseLayer's `values` are its storage; write them with `update`")
+
     def attend(self, query, key, value, inputs, v_precision=None):
         self._append(key, value)
         k, v = self.buf.view(0, self.length)

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
 from hf_loopcache._compat import CACHE_KWARG
-from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, attention_weights, dense_attention
+from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -59,9 +59,9 @@ class LoopForward:
     computes attention over its own storage; with any other `transformers.Cache` the keys and values go through
     `update(k, v, flat_index)` and plain causal attention; without a cache, plain causal attention.
 
-    With `output_attentions`, every call also appends its softmax weights `[B, H_q, q, T]` to `attentions`, computed
-    by the eager `attention_weights` from the keys at full precision (the new keys, a foreign cache's keys, or a loop
-    cache's `cell_states`); a loop-cache cell not stored at full precision raises.
+    With `output_attentions`, every call computes its output with `eager_attention` and appends the softmax weights
+    `[B, H_q, q, T]` to `attentions`, from keys and values at full precision (the new ones, a foreign cache's, or a
+    loop cache cell's `cell_states` after its write); a loop-cache cell not stored at full precision raises.
     """
 
     cache: Any
@@ -125,23 +125,27 @@ class LoopForward:
 
     def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
-            out = dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
-        elif getattr(self.cache, "is_loop_cache", False):
+            if self.attentions is not None:
+                return self._eager(query, key, value)
+            return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+        if getattr(self.cache, "is_loop_cache", False):
             out = self.cache.attend(slot, query, key, value, self.inputs)
             if self.attentions is not None:
-                key = _full_precision_keys(self.cache, slot)
-        else:
-            key, value = self.cache.update(key, value, self.layout.slot_to_flat(slot))
-            out = dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+                return self._eager(query, *_full_precision_states(self.cache, slot))
+            return out
+        key, value = self.cache.update(key, value, self.layout.slot_to_flat(slot))
         if self.attentions is not None:
-            self.attentions.append(
-                attention_weights(query, key, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
-            )
+            return self._eager(query, key, value)
+        return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+
+    def _eager(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out, weights = eager_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+        cast("list", self.attentions).append(weights)
         return out
 
 
-def _full_precision_keys(cache: Any, slot: int) -> torch.Tensor:
-    """Every key of cell `slot` of a loop cache, after its write; raises unless the cell keeps them at full precision."""
+def _full_precision_states(cache: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of cell `slot` of a loop cache, after its write; raises unless the cell stores full precision."""
     plan, layout = getattr(cache, "plan", None), getattr(cache, "layout", None)
     option = plan.option(layout.cell(slot)) if plan is not None and layout is not None else None
     if option != "bf16" or not hasattr(cache, "cell_states"):
@@ -151,7 +155,7 @@ def _full_precision_keys(cache: Any, slot: int) -> torch.Tensor:
             f"stores {where}, so the attention weights it applies cannot be returned. Use `use_cache=False` or a "
             f"`hf_loopcache.FullLoopCache` for attention maps."
         )
-    return cache.cell_states(slot)[0]
+    return cache.cell_states(slot)
 
 
 def default_cache(model: Any, cache: Any, *, use_cache: bool | None, num_loops: int, labels: Any = None) -> Any:
