@@ -213,7 +213,9 @@ class LoopCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` positions (transformers >= 5.16: `tokens_to_remove <= 0`); a positive
-        value is the absolute length to keep (the older convention). Every cell is cut to that length."""
+        value is the absolute length to keep (the older convention). Every cell is cut to that length. A 0-d tensor
+        (transformers 5.17's assisted decoding passes one) is read as its int."""
+        tokens_to_remove = int(tokens_to_remove)
         length = self.get_seq_length()
         target = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         target = max(0, min(length, target))
