@@ -339,7 +339,7 @@ def test_assisted_decoding_with_hidden_states_and_attentions_equals_greedy(arch)
 
 # ---------------------------------------------------------------------------------------------------- differences
 def test_sliding_window_configs_are_refused_by_name():
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match=r"sliding-window.*every \(loop, layer\) cell"):
         OuroConfig(num_hidden_layers=2, use_sliding_window=True, sliding_window=4)
 
 
