@@ -62,6 +62,9 @@ def test_a_cache_is_built_only_where_it_can_be_used(arch):
     assert cache_of(model(IDS, use_cache=False, **kw)) is None
     assert cache_of(model(IDS, labels=IDS, **kw)) is None  # a loss needs no cache
     assert isinstance(cache_of(model(IDS, labels=IDS, use_cache=True, **kw)), FullLoopCache)
+    given = FullLoopCache(model)
+    assert cache_of(model(IDS, labels=IDS, past_key_values=given, **kw)) is given  # a cache passed in is used
+    assert given.get_seq_length() == IDS.shape[1]
     model.train()
     train_kw = {**kw, **loops_kwarg(arch, 2)}
     assert cache_of(model(IDS, **train_kw)) is None

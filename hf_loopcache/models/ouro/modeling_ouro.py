@@ -324,8 +324,8 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         """
         cache = cache_argument(past_key_values, cache)
         flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
-        if labels is not None and use_cache is None:
-            use_cache = False
+        if labels is not None and use_cache is None and cache is None:
+            use_cache = False  # a loss needs no new cache (a cache passed in is still used)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
