@@ -8,15 +8,15 @@ adds a learned bias to queries and keys before an interleaved-pair ("complex-lik
 
 Cache slots: prelude `0..P-1`, core step `s` layer `j` at `P + n_core * s + j`, coda `-1, -2, ...` (see `LoopLayout`).
 
-Differences from the official code, all deliberate: padding masks and per-row positions are honoured (the official
-forward ignores `attention_mask`); RoPE is computed for any position (the official buffer stops at `block_size`);
-a cache it does not know is never replaced; `test_time_noise` must be 0; `labels` follow transformers' convention
-(shifted inside; the official unshifted loss is `unshifted_loss=True`).
-
 As a transformers model: `hidden_states` has `1 + P + R * C + D` entries (the scaled embeddings, then every block
 call in execution order: prelude, core step by step, coda), `attentions` one map per block call, and the cache holds
 one layer per cell, `P + R * C + D` in all. There is no base model: the parts live under `transformer`, as in the
-official checkpoints (see the README's model section).
+official checkpoints (see the README's model section). `labels` follow transformers' convention (shifted inside),
+unlike the official code, whose unshifted loss is `unshifted_loss=True`.
+
+Differences from the official code, all deliberate: padding masks and per-row positions are honoured (the official
+forward ignores `attention_mask`); RoPE is computed for any position (the official buffer stops at `block_size`);
+a cache it does not know is never replaced; `test_time_noise` must be 0.
 """
 
 from __future__ import annotations
@@ -305,12 +305,11 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             num_steps (`int` or `(int, int)`, *optional*): core steps; a pair is (steps without, with gradient);
                 defaults to `mean_recurrence` in eval mode and to the official random sampler in training mode.
             init_scale (`float`, *optional*, defaults to 1.0): scale of the random initial state; 0 gives zeros.
-            output_details (`dict`, *optional*): official switches `return_logits`, `return_latents`, `return_head`
-                (`return_head` puts the final normed state, one tensor, in `hidden_states` unless
-                `output_hidden_states` asks for the tuple below).
-            past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted. With
-                `use_cache=True` (or `config.use_cache` outside training and without `labels`) and none given, a
-                `FullLoopCache` sized for the call's steps is built.
+            output_details (`dict`, *optional*): official switches `return_logits`, `return_latents`, `return_head`.
+            past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
+            cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
+            use_cache (`bool`, *optional*): with `use_cache=True` (or `config.use_cache` outside training and without
+                `labels`) and no cache given, a `FullLoopCache` sized for the call's steps is built.
             output_hidden_states (`bool`, *optional*): return `hidden_states`, `1 + P + R * C + D` tensors
                 `[B, q, n_embd]`: the embeddings (times `sqrt(n_embd)`), then the output of every block call in
                 execution order (prelude, core step 0 layers `0..C-1`, step 1, ..., coda). Only the last entry is
@@ -318,8 +317,9 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             output_attentions (`bool`, *optional*): return `attentions`, one `[B, H, q, T]` softmax map per block call
                 in the same order (computed eagerly; needs the attended keys at full precision).
             return_dict (`bool`, *optional*): False returns a tuple (`loss`, `logits`, cache, `hidden_states`,
-                `attentions`, `log_ppl`, `latent_states`, leaving out those that are None).
-            cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
+                `attentions`, `log_ppl`, `latent_states`, leaving out those that are None). `output_details`'
+                `return_head` puts the final normed state, one tensor, in `hidden_states` unless `output_hidden_states`
+                asks for the tuple.
         """
         cache = cache_argument(past_key_values, cache)
         flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
