@@ -29,8 +29,8 @@ SHAPES: dict[str, Any] = {
     "micro-ouro": lambda: OuroForCausalLM(
         OuroConfig(
             vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
+            hidden_size=128,
+            intermediate_size=256,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=4,

@@ -16,6 +16,7 @@ REGISTRY = {
     "ripe-windows": ("benchmarks.bench_ripe_windows", "tests/cache/test_engine.py"),
     "loopkv-planner": ("benchmarks.bench_loopkv_planner", "tests/planner/test_profile_plan.py"),
     "v-precision": ("benchmarks.bench_v_precision", "tests/cache/test_loopkv.py"),
+    "coded-attention": ("benchmarks.bench_coded_attention", "tests/ops/test_coded_attention_kernels.py"),
 }
 
 

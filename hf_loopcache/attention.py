@@ -6,8 +6,9 @@ Two entry points:
   positions are the new tokens. Used without a cache, with foreign `transformers` caches, and by cells that keep
   every position at full precision. Dispatches to SDPA with the cheapest mask that is exact.
 - `segmented_attention`: one softmax over several key/value segments with their own masks, e.g. a sink, a
-  history decoded from codes or borrowed from another cell, a recent window and the new tokens. Used by cells
-  whose positions are not all stored the same way. Computes in fp32 and supports LoopKV's read-time V precision.
+  decoded history, a recent window and the new tokens, in fp32, with LoopKV's read-time V precision. It takes
+  decoded tensors, so it is no longer the cache's read path (cells hand their stored codes to
+  `triton_ops.coded_attention`); it stays as an independent statement of the same read for tests.
 
 `eager_attention` is `dense_attention` written out (scores, mask, softmax in fp32, weights times values) and also
 returns the weights; models use it only when `output_attentions=True`, on keys and values held at full precision.
@@ -63,7 +64,7 @@ class LoopAttentionCache(Protocol):
 
     Native models call `begin_forward` once per forward pass and then `attend` once per cell, instead of
     `update` + SDPA. This lets a cell read keys and values that are stored compressed, borrowed from another cell,
-    or split across a window without materialising a plain tensor first.
+    or split across a window without materialising a plain tensor first (`triton_ops.coded_attention`).
     """
 
     is_loop_cache: bool
@@ -181,7 +182,7 @@ class VPrecision:
     """
 
     tau: float = 14.0
-    page_size: int = 32
+    page_size: int = 32  # pages of the running maximum in `segmented_attention`; the cache uses its code pages
 
     @property
     def margin(self) -> float:

@@ -9,9 +9,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_loopcache.attention import AttentionInputs, VPrecision
-from hf_loopcache.cache.layers import DenseLayer, LoopLayerBase, WindowedLayer
+from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
+from hf_loopcache.cache.read import ReadState, VPrecisionStats
 from hf_loopcache.layout import Cell, LoopLayout
 
 __all__ = ["LoopCache", "resolve_layout"]
@@ -40,10 +41,16 @@ def resolve_layout(model_or_layout: Any, num_loops: int | None = None) -> LoopLa
 class LoopCache(Cache):
     """A looped model's key/value cache: one layer per cell, stored by a `CachePlan`.
 
-    Native models (`hf_loopcache.models`) call `attend(slot, ...)`, which reads each cell's storage directly (full
-    precision, codes, or another cell's history). Foreign code can use the plain `update(k, v, slot)` path, which
-    returns every position as the cell reads it. Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn:
-    prelude `0..P-1`, core `P + n_core * step + layer`, coda `-1, -2`).
+    Native models (`hf_loopcache.models`) call `begin_forward(...)` once per forward and then `attend(slot, ...)` per
+    cell, which reads each cell's storage as stored (full precision, codes, or another cell's storage) through
+    `triton_ops.coded_attention`; everything a read depends on reaches the cell as one `ReadState` argument. Foreign
+    code can use the plain `update(k, v, slot)` path, which returns every position as the cell reads it (decoded).
+    Slots follow `LoopLayout` (Ouro: `loop * n_layers + layer`; Huginn: prelude `0..P-1`, core
+    `P + n_core * step + layer`, coda `-1, -2`).
+
+    Self-speculation: a forward with fewer loops than the cache holds is a draft (`draft_loops`); `rollback(length)`
+    cuts every cell back (exact within `max_rollback`), and rows may hold *holes* (padded positions after a row's
+    first real token) that the reading rule skips per row.
 
     Args:
         model_or_layout: a native looped model, its config, or a `LoopLayout`.
@@ -97,9 +104,9 @@ class LoopCache(Cache):
         self.layout = plan.layout
         self.max_rollback = max_rollback
         self.v_precision = v_precision
-        #: with `track_v_precision()`, counts of INT4 history value reads ("history") and of those read cold ("cold")
-        self.v_precision_stats: dict[str, float] | None = None
-        self._depth_complete = True
+        self._v_precision_stats: VPrecisionStats | None = None  # set by `track_v_precision()`
+        self._draft_loops: int | None = None  # loops of the current forward when fewer than the cache holds
+        self._read: tuple[AttentionInputs, ReadState] | None = None  # the current forward's read state
         layers: list[LoopLayerBase] = [None] * self.layout.num_cells  # type: ignore[list-item]
         for cell in self.layout.cells():  # sources first: shared cells point at them
             if plan.option(cell) != "share":
@@ -113,19 +120,16 @@ class LoopCache(Cache):
 
     def _make_layer(self, cell: Cell, source: LoopLayerBase | None) -> LoopLayerBase:
         option = self.plan.option(cell)
+        sizes = dict(
+            sink=self.plan.sink, window=self.plan.window, page_size=self.plan.page_size, rollback=self.max_rollback
+        )
         if option == "bf16":
             return DenseLayer()
-        layer = WindowedLayer(
-            option,
-            sink=self.plan.sink,
-            window=self.plan.window,
-            page_size=self.plan.page_size,
-            group_size=self.plan.group_size,
-            rollback=self.max_rollback,
-            source=source,
-        )
-        layer.owner = self
-        return layer
+        if option == "share":
+            if source is None:
+                raise ValueError(f"cell {cell} shares, but no source cell was given")
+            return SharedLayer(source, **sizes)
+        return CodedLayer(4 if option == "int4" else 2, group_size=self.plan.group_size, **sizes)
 
     # ----------------------------------------------------------------------------- addressing
     def _flat(self, slot: int | torch.Tensor) -> int:
@@ -162,7 +166,26 @@ class LoopCache(Cache):
                 f"the forward runs {num_loops} loops but this cache holds {self.layout.num_loops}; build it with "
                 f"`num_loops={num_loops}`"
             )
-        self._depth_complete = num_loops == self.layout.num_loops
+        self._draft_loops = None if num_loops == self.layout.num_loops else num_loops
+        self._read = None
+
+    @property
+    def draft_loops(self) -> int | None:
+        """Loops of the current forward if it runs fewer than the cache holds (a partial-depth draft), else None."""
+        return self._draft_loops
+
+    def read_state(self, inputs: AttentionInputs) -> ReadState:
+        """The `ReadState` of the current forward (built once per forward from its `AttentionInputs`)."""
+        if self._read is None or self._read[0] is not inputs:
+            state = ReadState(
+                key_valid=inputs.key_valid,
+                scaling=inputs.scaling,
+                draft_loops=self._draft_loops,
+                v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
+                v_precision_stats=self._v_precision_stats,
+            )
+            self._read = (inputs, state)
+        return self._read[1]
 
     def attend(
         self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
@@ -170,7 +193,7 @@ class LoopCache(Cache):
         """Attention of the new tokens of cell `slot` over its stored history and themselves; stores the new keys and
         values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`."""
         self._check_states(key)
-        return self.cells[self._flat(slot)].attend(query, key, value, inputs, self.v_precision)
+        return self.cells[self._flat(slot)].attend(query, key, value, self.read_state(inputs))
 
     def update(
         self,
@@ -218,17 +241,35 @@ class LoopCache(Cache):
         tokens_to_remove = int(tokens_to_remove)
         length = self.get_seq_length()
         target = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
-        target = max(0, min(length, target))
+        self.rollback(max(0, min(length, target)))
+
+    def rollback(self, length: int) -> None:
+        """Cut every cell to at most `length` positions (a cell holding fewer, e.g. a deep cell after a partial-depth
+        draft, is left alone). Exact for cuts of up to `max_rollback` positions below the longest length reached
+        since; deeper cuts restore the straddling page from its codes. Shared cells are cut before their sources."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"`length` must be a non-negative int, got {length!r}")
+        shared_first = sorted(self.cells, key=lambda layer: not isinstance(layer, SharedLayer))
+        for layer in shared_first:
+            layer.truncate(min(layer.get_seq_length(), length))
+
+    def set_max_rollback(self, max_rollback: int) -> None:
+        """Keep the last `max_rollback` positions of every windowed cell at full precision from now on (positions that
+        already left the window stay coded)."""
+        if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
+            raise ValueError(f"`max_rollback` must be a non-negative int, got {max_rollback!r}")
+        self.max_rollback = max_rollback
         for layer in self.cells:
-            layer.truncate(min(layer.get_seq_length(), target))
+            if hasattr(layer, "rollback"):
+                layer.rollback = max_rollback
 
     def reserve(self, max_length: int) -> None:
-        """Allocate full-precision whole-history cells for `max_length` positions at their first write, so that
-        decoding never regrows them (regrowing every cell in turn fragments the allocator at long contexts).
-        `generate` calls this with its maximum length; only empty cells are affected."""
+        """Allocate every empty cell's storage for `max_length` positions at its first write (full-precision buffers,
+        code pages, windows), so that decoding never regrows them (regrowing every cell in turn fragments the
+        allocator at long contexts and holds two copies of a cell while it copies). `generate` calls this with its
+        maximum length."""
         for layer in self.cells:
-            if isinstance(layer, DenseLayer) and layer.get_seq_length() == 0:
-                layer.buf.reserve = int(max_length)
+            layer.reserve(int(max_length))
 
     def activate_past_recording(self) -> None:
         """Nothing to do: every cell keeps what `crop` needs (see `max_rollback` for exactness beyond the window)."""
@@ -239,11 +280,12 @@ class LoopCache(Cache):
         layer = self.cells[self._flat(cell)] if isinstance(cell, int) else self.layer_for(cell)
         return layer.full_states()
 
-    def track_v_precision(self) -> dict[str, float]:
-        """Start counting, per query row, head and token, the INT4 history values read hot and cold (syncs the device
-        once per cell call; for measurement, not serving). Returns the live counter dict."""
-        self.v_precision_stats = {"cold": 0.0, "history": 0.0}
-        return self.v_precision_stats
+    def track_v_precision(self) -> VPrecisionStats:
+        """Start counting, per query row, head and token, the INT4 history values read (`"history"`) and those read
+        cold (`"cold"`). Counts accumulate on the device; reading one syncs. Returns the live counter (a mapping)."""
+        self._v_precision_stats = VPrecisionStats()
+        self._read = None
+        return self._v_precision_stats
 
     def nbytes(self) -> int:
         """Bytes of GPU/CPU memory the cache's tensors occupy (allocated capacity, including growth slack)."""

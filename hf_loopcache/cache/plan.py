@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hf_loopcache.layout import Cell, LoopLayout, equal_assignment_allowed
+from triton_ops.quant import kivi_bytes_per_token
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -140,13 +141,17 @@ class CachePlan:
         return out
 
     def coded_bytes_per_token(self, nbits: int) -> int:
-        """Stored (= read) bytes of one history token of one coded cell: codes plus fp16 scales and zeros
-        (keys per channel per page, values per token per channel group); LoopKV Appendix C."""
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        codes = 2 * heads * dim * nbits // 8
-        key_meta = 2 * 2 * heads * dim / self.page_size
-        value_meta = 2 * 2 * heads * (dim // self.group_size)
-        return int(codes + key_meta + value_meta)
+        """Stored (= read) bytes of one history token of one coded cell: codes plus fp16 scales and zeros (keys per
+        channel per page, values per token per channel group); LoopKV Appendix C, `triton_ops.quant`'s byte model."""
+        return int(
+            kivi_bytes_per_token(
+                self.layout.num_kv_heads,
+                self.layout.head_dim,
+                nbits,
+                group_size=self.group_size,
+                page_size=self.page_size,
+            )
+        )
 
     def own_bytes_per_token(self, cell: Cell) -> int:
         """Stored bytes of one history token of `cell`."""
@@ -173,16 +178,20 @@ class CachePlan:
         return window_boundary(length - rollback, sink=self.sink, window=self.window, page_size=self.page_size)
 
     def expected_stored_bytes(self, length: int, rollback: int = 0) -> int:
-        """Bytes a cache following this plan stores (live, excluding allocator slack) at `length` positions."""
+        """Bytes a cache following this plan stores (live, excluding allocator slack) at `length` positions: a windowed
+        cell holds its sink and `[H(length - rollback), length)` at full precision and, if coded, the pages
+        `[S, H(length))` as codes (the rollback reserve is held both ways)."""
         b = self.layout.bytes_per_cell_token
-        hist_end = max(self.sink, self.keep_boundary(length, rollback))
+        keep = max(self.sink, self.keep_boundary(length, rollback))
+        coded_end = max(self.sink, self.keep_boundary(length))
         total = 0
         for cell, option in self.options.items():
             if option == "bf16":
                 total += b * length
                 continue
-            full_precision = min(self.sink, length) + max(0, length - hist_end)
-            total += b * full_precision + self.own_bytes_per_token(cell) * max(0, min(hist_end, length) - self.sink)
+            full_precision = min(self.sink, length) + max(0, length - keep)
+            coded = max(0, min(coded_end, length) - self.sink)
+            total += b * full_precision + self.own_bytes_per_token(cell) * coded
         return total
 
     def summary(self) -> str:

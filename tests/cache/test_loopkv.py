@@ -159,7 +159,7 @@ def test_crop_into_the_coded_history_and_decode_again(arch):
     model(ids[:, :30], past_key_values=fresh, use_cache=True, **kw)
     assert torch.isfinite(out).all() and cache.get_seq_length() == 30
     assert cache.stored_bytes() == fresh.stored_bytes()
-    assert cache.layer_for(Cell("core", 1, 1)).hist_end == fresh.layer_for(Cell("core", 1, 1)).hist_end == 20
+    assert cache.layer_for(Cell("core", 1, 1)).window_start == fresh.layer_for(Cell("core", 1, 1)).window_start == 20
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
 """KIVI-style 2/4-bit key/value codecs of the LoopKV cache.
 
 `triton_ops.quant.naive` is the pure-PyTorch reference (the bit-exact contract for the Triton kernels and the CPU
-fallback); its public functions are re-exported here. See `README.md` in this folder for the math, the storage layout
+fallback); its public functions are re-exported here, except `quantize_keys` / `quantize_values`, which come from
+`triton_ops.quant.ops`: the same contract and bytes, run by a Triton kernel on CUDA tensors and by the reference
+elsewhere. See `README.md` in this folder for the math, the storage layout
 and the byte model.
 """
 
@@ -16,10 +18,9 @@ from triton_ops.quant.naive import (
     fake_quantize_values,
     kivi_bytes_per_token,
     pack_codes,
-    quantize_keys,
-    quantize_values,
     unpack_codes,
 )
+from triton_ops.quant.ops import quantize_keys, quantize_values
 
 __all__ = [
     "SUPPORTED_NBITS",

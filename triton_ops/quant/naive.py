@@ -20,7 +20,7 @@ the short version:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -257,24 +257,6 @@ def _check_range(start: int, end: int, size: int, what: str) -> None:
         raise ValueError(f"need 0 <= `start` <= `end` <= {size} ({what}), got start={start}, end={end}")
 
 
-_Q = TypeVar("_Q")
-
-
-def _check_cat(items: Sequence[_Q], cls: type[_Q]) -> list[_Q]:
-    """`items` as a list, checked to be a non-empty sequence of `cls` with one `nbits` and `group_size`."""
-    items = list(items)
-    if not items or not all(isinstance(q, cls) for q in items):
-        raise ValueError(f"`items` must be a non-empty sequence of {cls.__name__}")
-    first = items[0]
-    for q in items[1:]:
-        if (q.nbits, q.group_size) != (first.nbits, first.group_size):  # type: ignore[attr-defined]
-            raise ValueError(
-                f"cannot concatenate {cls.__name__} with different `nbits`/`group_size`: "
-                f"({first.nbits}, {first.group_size}) vs ({q.nbits}, {q.group_size})"  # type: ignore[attr-defined]
-            )
-    return items
-
-
 @dataclass(frozen=True, eq=False)
 class QuantizedKeys:
     """KIVI keys of one cache cell: per-channel codes over pages of `group_size` tokens.
@@ -289,7 +271,8 @@ class QuantizedKeys:
         nbits (`int`): 2 or 4.
         group_size (`int`): tokens per page.
 
-    Pages are independent, so a cache appends pages with `QuantizedKeys.cat`, reads a page range with
+    Pages are independent, so a cache appends pages one at a time (quantizing pages apart equals quantizing them
+    together), reads a page range with
     `select_pages` and reorders beams with `index_select_batch`. Instances are immutable containers; the methods
     return new ones (slices are views of the same storage).
     """
@@ -334,19 +317,6 @@ class QuantizedKeys:
     def nbytes(self) -> int:
         """Bytes of all stored tensors (codes, scale, zero)."""
         return _tensor_nbytes(self.codes, self.scale, self.zero)
-
-    @classmethod
-    def cat(cls, items: Sequence[QuantizedKeys]) -> QuantizedKeys:
-        """Concatenate along tokens (pages). All items must share `nbits`, `group_size`, `B`, `H` and `D`."""
-        items = _check_cat(items, cls)
-        first = items[0]
-        return cls(
-            codes=torch.cat([q.codes for q in items], dim=2),
-            scale=torch.cat([q.scale for q in items], dim=2),
-            zero=torch.cat([q.zero for q in items], dim=2),
-            nbits=first.nbits,
-            group_size=first.group_size,
-        )
 
     def select_pages(self, start: int, end: int) -> QuantizedKeys:
         """Pages `[start, end)`, i.e. tokens `[start * group_size, end * group_size)` (views, no copy)."""
@@ -441,20 +411,6 @@ class QuantizedValues:
         if self.lo is None:
             return hi
         return (hi << 2) | unpack_codes(self.lo, _VALUE_PLANE_BITS, self.head_dim)
-
-    @classmethod
-    def cat(cls, items: Sequence[QuantizedValues]) -> QuantizedValues:
-        """Concatenate along tokens. All items must share `nbits`, `group_size`, `B`, `H` and `D`."""
-        items = _check_cat(items, cls)
-        first = items[0]
-        return cls(
-            hi=torch.cat([q.hi for q in items], dim=2),
-            lo=None if first.lo is None else torch.cat([q.lo for q in items if q.lo is not None], dim=2),
-            scale=torch.cat([q.scale for q in items], dim=2),
-            zero=torch.cat([q.zero for q in items], dim=2),
-            nbits=first.nbits,
-            group_size=first.group_size,
-        )
 
     def select_tokens(self, start: int, end: int) -> QuantizedValues:
         """Tokens `[start, end)` (views, no copy)."""
@@ -758,35 +714,44 @@ def cold_value_error_bound(qv: QuantizedValues) -> Tensor:
 
 
 def kivi_bytes_per_token(
-    num_kv_heads: int, head_dim: int, nbits: int, *, group_size: int = DEFAULT_GROUP_SIZE
+    num_kv_heads: int,
+    head_dim: int,
+    nbits: int,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    page_size: int | None = None,
 ) -> float:
     """Stored bytes of keys + values for ONE token of one layer (one cell), metadata included (LoopKV Appendix C).
 
     Per token and head: key codes `D * nbits / 8` + value codes `D * nbits / 8` (INT4 values: two 2-bit planes, same
-    bytes) + key metadata `2 * D * 2 / group_size` (fp16 scale and zero per channel, shared by the `group_size` tokens
+    bytes) + key metadata `2 * D * 2 / page_size` (fp16 scale and zero per channel, shared by the `page_size` tokens
     of a page) + value metadata `2 * (D / group_size) * 2` (fp16 scale and zero per channel group). With
-    `group_size = 32` that is `nbits + 1` bits per element: at 16 heads x 128, INT4 = 2560 B (2.5 KiB) and INT2 =
-    1536 B (1.5 KiB). Equals `(qk.nbytes + qv.nbytes) / (B * T)` of actual quantized tensors.
+    `group_size = page_size = 32` that is `nbits + 1` bits per element: at 16 heads x 128, INT4 = 2560 B (2.5 KiB) and
+    INT2 = 1536 B (1.5 KiB). Equals `(qk.nbytes + qv.nbytes) / (B * T)` of actual quantized tensors. This is the one
+    statement of the coded byte model: `hf_loopcache`'s plans and planner use it.
 
     Args:
         num_kv_heads (`int`): key/value heads per layer.
         head_dim (`int`): channels per head; a multiple of `group_size` and of 4 (what `quantize_values` requires).
         nbits (`int`): 2 or 4.
-        group_size (`int`, *optional*, defaults to 32): tokens per key page and channels per value group.
+        group_size (`int`, *optional*, defaults to 32): channels per value group (and tokens per key page unless
+            `page_size` is given).
+        page_size (`int`, *optional*): tokens per key page; defaults to `group_size`.
 
     Returns:
-        `float`: bytes per token and layer (always a whole number under the constraints above).
+        `float`: bytes per token and layer.
     """
     num_kv_heads = _check_positive_int(num_kv_heads, "num_kv_heads")
     head_dim = _check_positive_int(head_dim, "head_dim")
     nbits = _check_nbits(nbits)
     group_size = _check_positive_int(group_size, "group_size")
+    page_size = group_size if page_size is None else _check_positive_int(page_size, "page_size")
     if head_dim % group_size:
         raise ValueError(f"`head_dim` ({head_dim}) must be a multiple of `group_size` ({group_size})")
     _check_codes_width(head_dim, _VALUE_PLANE_BITS, "values")
     fp16_bytes = torch.finfo(torch.float16).bits // 8
     elements = num_kv_heads * head_dim
     code_bytes = 2 * elements * nbits / 8  # keys + values
-    key_meta = elements * 2 * fp16_bytes / group_size  # scale + zero per channel per page, amortised per token
+    key_meta = elements * 2 * fp16_bytes / page_size  # scale + zero per channel per page, amortised per token
     value_meta = (elements // group_size) * 2 * fp16_bytes  # scale + zero per channel group of every token
     return float(code_bytes + key_meta + value_meta)

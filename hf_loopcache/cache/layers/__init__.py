@@ -1,0 +1,16 @@
+"""Per-cell storage: the `CacheLayerMixin` subclasses a `LoopCache` holds, one per cell, one storage kind each.
+
+- `DenseLayer`: every position at full precision (option `bf16`).
+- `CodedLayer`: full-precision sink and window, own KIVI code pages in between (`int4`, `int2`).
+- `SharedLayer`: full-precision sink and window, the history read from a source cell's storage (`share`).
+
+`WindowedLayer` is what coded and shared cells share (sink, window, the reading rule); `LoopLayerBase` the contract.
+"""
+
+from hf_loopcache.cache.layers.base import LoopLayerBase
+from hf_loopcache.cache.layers.coded import CodedLayer
+from hf_loopcache.cache.layers.dense import DenseLayer
+from hf_loopcache.cache.layers.shared import SharedLayer
+from hf_loopcache.cache.layers.windowed import WindowedLayer
+
+__all__ = ["CodedLayer", "DenseLayer", "LoopLayerBase", "SharedLayer", "WindowedLayer"]

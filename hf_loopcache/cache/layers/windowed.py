@@ -1,0 +1,261 @@
+"""`WindowedLayer`: the part coded and shared cells have in common: a full-precision sink and recent window around a
+history that the subclass provides (own codes: `CodedLayer`; a source cell's storage: `SharedLayer`).
+
+Reading rule (the same for every windowed cell, so block verification matches sequential decoding): the query at
+position `t` reads position `j < t` from the history iff `S <= j < H(t)`, with the window boundary
+`H(t) = S + P * floor(max(0, t - S - W) / P)` (`P` = page size; `P = 1` gives RIPE's `t - j > W`, Eq. 9), clipped
+to what the history can be read up to and never below the cell's own window. Positions of the same forward are read
+at full precision (prefill computes every loop's own keys and values). Every page that a query reads from the history
+is coded before the read, exactly as the flush codes it, so a block of up to `W + 1` tokens read in one pass equals
+reading them one at a time (RIPE Proposition 1). With holes (`ReadState.effective`), `H` applies to each row's
+effective positions.
+
+State: `sink` holds `[0, min(S, length))`; `recent` holds `[recent.start, length)` at full precision, where
+`recent.start` is the keep boundary `H(length - rollback)` (the rollback reserve stays exact, so `crop` by up to
+`rollback` positions restores what sequential decoding holds); the history covers `[S, ...)` up to where queries read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_loopcache.attention import dense_attention
+from hf_loopcache.cache.layers.base import LoopLayerBase
+from hf_loopcache.cache.plan import window_boundary
+from hf_loopcache.cache.read import ReadState
+from hf_loopcache.cache.storage import SeqBuffer, page_floor
+from triton_ops.coded_attention import CellView, coded_attention
+from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values
+
+__all__ = ["WindowedLayer"]
+
+
+class WindowedLayer(LoopLayerBase):
+    """Sink and recent window at full precision; the history in between comes from `_history_view`.
+
+    Args:
+        sink (`int`): `S`, full-precision positions at the start.
+        window (`int`): `W`, full-precision recent positions every query reads.
+        page_size (`int`): `P`, positions leave the window in pages of `P`.
+        rollback (`int`, *optional*, defaults to 0): extra recent positions kept at full precision so `crop` by up to
+            this many positions stays exact.
+    """
+
+    def __init__(self, *, sink: int, window: int, page_size: int, rollback: int = 0) -> None:
+        super().__init__()
+        self.sink, self.window, self.page, self.rollback = sink, window, page_size, rollback
+        self.sink_buf = SeqBuffer()
+        self.recent = SeqBuffer()
+        self.recent.reset(sink)
+        self._valid: torch.Tensor | None = None  # [B, length] key validity once any padding was seen
+
+    @property
+    def window_start(self) -> int:
+        """First position of the own full-precision window (`recent`)."""
+        return self.recent.start
+
+    # ---------------------------------------------------------------- boundaries
+    def read_boundary(self, t: int) -> int:
+        """`H(t)`: the query at position `t` reads positions `[S, H(t))` from the history."""
+        return window_boundary(t, sink=self.sink, window=self.window, page_size=self.page)
+
+    def _row_boundaries(self, positions: torch.Tensor, effective: torch.Tensor, stored: int) -> torch.Tensor:
+        """Storage boundaries `[B, k]` of the queries at storage `positions` `[k]` per row: the number of stored
+        positions `j < stored` whose effective position is below `H(effective position of the query)`."""
+        e = effective[:, positions]  # [B, k]
+        h = self.sink + self.page * ((e - self.sink - self.window).clamp(min=0) // self.page)
+        return torch.searchsorted(effective[:, :stored].contiguous(), h)
+
+    def history_ends(self, length: int, q: int, read: ReadState) -> tuple[torch.Tensor, int]:
+        """`history_end` `[B, q]` of the queries at `[length, length + q)` and its maximum."""
+        low = min(self.recent.start, length)  # below the own window only the history holds positions
+        limit = max(low, self._history_limit(length, read))
+        if read.effective is None:
+            ends = [max(low, min(self.read_boundary(t), limit)) for t in range(length, length + q)]
+            end_t = torch.tensor(ends, dtype=torch.int32, device=self.device)[None].expand(self._batch, q)
+            return end_t, max(ends)
+        positions = torch.arange(length, length + q, device=read.effective.device)
+        rows = self._row_boundaries(positions, read.effective, length).clamp(min=low, max=limit)
+        return rows.to(torch.int32), int(rows.max())
+
+    def _keep_boundary(self, length: int, effective: torch.Tensor | None) -> int:
+        """First position the own window keeps at `length` positions: `H(length - rollback)` (the smallest over rows
+        with holes, page aligned), never below what it keeps now."""
+        p = max(0, length - self.rollback)
+        if effective is None:
+            keep = self.read_boundary(p)
+        else:
+            rows = self._row_boundaries(torch.tensor([p], device=effective.device), effective, length)
+            keep = page_floor(int(rows.min()), start=self.sink, page_size=self.page)
+        return max(self.recent.start, keep)
+
+    def _code_boundary(self, length: int, effective: torch.Tensor | None) -> int:
+        """End of the history every later query reads at least: `H(length)` (the largest over rows with holes, page
+        aligned and never past the last whole page)."""
+        if effective is None:
+            return self.read_boundary(length)
+        rows = self._row_boundaries(torch.tensor([length], device=effective.device), effective, length)
+        return min(
+            page_floor(int(rows.max()), start=self.sink, page_size=self.page),
+            page_floor(length, start=self.sink, page_size=self.page),
+        )
+
+    # ---------------------------------------------------------------- what subclasses provide
+    def _history_limit(self, length: int, read: ReadState) -> int:
+        """Positions below this can be read from the history now (the cell holds `length` positions)."""
+        raise NotImplementedError
+
+    def _history_view(self, end: int) -> tuple[object, object]:
+        """Codes or a full-precision plane of the history, covering `[S, >= end)` (no copy)."""
+        raise NotImplementedError
+
+    def _history_decoded(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """History positions `[start, end)` as a query reads them, decoded to the keys' dtype (the plain path and
+        inspection only; attention reads the codes)."""
+        hk, hv = self._history_view(end)
+        a, b = start - self.sink, end - self.sink
+        if isinstance(hk, QuantizedKeys) and isinstance(hv, QuantizedValues):
+            return dequantize_keys(hk, dtype=self.dtype)[:, :, a:b], dequantize_values(hv, dtype=self.dtype)[:, :, a:b]
+        return hk[:, :, a:b], hv[:, :, a:b]  # type: ignore[index]
+
+    def _store(self, key: torch.Tensor, value: torch.Tensor, first: int, new_len: int, read: ReadState) -> int:
+        """Move what leaves the window into the history; `key`/`value` hold positions `[first, new_len)`. Returns the
+        new keep boundary (the own window's first position)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- read
+    def view(self, key: torch.Tensor, value: torch.Tensor, read: ReadState) -> CellView:
+        """The stored view the new tokens (`key`/`value` `[B, H, q, D]`) read, for `triton_ops.coded_attention`."""
+        n, q = self.length, key.shape[2]
+        ends, max_end = self.history_ends(n, q, read)
+        sink_len = min(self.sink, n)
+        sink_k, sink_v = self.sink_buf.view(0, sink_len) if sink_len else (None, None)
+        hist_k, hist_v = self._history_view(max_end) if max_end > self.sink else (None, None)
+        win_start = min(self.recent.start, n)
+        win_k, win_v = self.recent.view(win_start, n) if n > win_start else (None, None)
+        return CellView(
+            new_key=key,
+            new_value=value,
+            length=n,
+            history_end=ends,
+            sink_key=sink_k,
+            sink_value=sink_v,
+            history_start=self.sink,
+            history_key=hist_k,
+            history_value=hist_v,
+            window_start=win_start,
+            window_key=win_k,
+            window_value=win_v,
+            key_valid=read.key_valid,
+        )
+
+    def attend(self, query, key, value, read):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        if self.length == 0:  # nothing cached: plain causal attention over the new tokens (as every cell computes it)
+            out = dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
+        else:
+            stats = read.v_precision_stats
+            out, _ = coded_attention(
+                query,
+                self.view(key, value, read),
+                scaling=read.scaling,
+                v_precision_tau=read.v_precision_tau,
+                v_precision_stats=None if stats is None or read.v_precision_tau is None else stats.tensor(query.device),
+            )
+        self._write(key, value, read)
+        return out
+
+    # ---------------------------------------------------------------- write
+    def _write(self, key: torch.Tensor, value: torch.Tensor, read: ReadState) -> None:
+        """Append `q` new positions: the sink first, then the history takes what leaves the window."""
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        n, q = self.length, key.shape[2]
+        new_len = n + q
+        if read.key_valid is not None:
+            self._valid = read.key_valid[:, :new_len].clone()
+        elif self._valid is not None:
+            self._valid = torch.cat([self._valid[:, :n], self._valid.new_ones(self._valid.shape[0], q)], dim=1)
+        n_sink = max(0, min(self.sink, new_len) - n)
+        if n_sink:
+            self.sink_buf.append(key[:, :, :n_sink], value[:, :, :n_sink])
+            key, value = key[:, :, n_sink:], value[:, :, n_sink:]
+        first = n + n_sink
+        if first < new_len:
+            keep = self._store(key, value, first, new_len, read)
+            self.recent.drop_front(keep)
+            skip = max(0, keep - first)
+            self.recent.append(key[:, :, skip:], value[:, :, skip:])
+        self.length = new_len
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Plain path for foreign models: every position as the last new token reads it (cached positions by the
+        reading rule, history decoded, new positions at full precision), then store the new positions."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        read = ReadState(key_valid=None, scaling=1.0)
+        q = key_states.shape[2]
+        parts_k, parts_v = self._cached_parts(self.history_ends(self.length, q, read)[1] if self.length else 0)
+        k = torch.cat([*parts_k, key_states], dim=2)
+        v = torch.cat([*parts_v, value_states], dim=2)
+        self._write(key_states, value_states, read)
+        return k, v
+
+    def _cached_parts(self, boundary: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Sink, history up to `boundary` (decoded) and the window from it, in the keys' dtype."""
+        parts_k, parts_v = [], []
+        if len(self.sink_buf):
+            k, v = self.sink_buf.view(0, self.sink_buf.end)
+            parts_k.append(k)
+            parts_v.append(v)
+        if boundary > self.sink:
+            k, v = self._history_decoded(self.sink, boundary)
+            parts_k.append(k)
+            parts_v.append(v)
+        start = max(boundary, min(self.recent.start, self.length))
+        if start < self.length:
+            k, v = self.recent.view(start, self.length)
+            parts_k.append(k)
+            parts_v.append(v)
+        return parts_k, parts_v
+
+    def full_states(self):
+        """Every position as the next query (at position `length`) reads it."""
+        if self.length == 0:
+            raise ValueError("this cell holds no positions yet")
+        read = ReadState(key_valid=None, scaling=1.0)
+        parts_k, parts_v = self._cached_parts(self.history_ends(self.length, 1, read)[1])
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    # ---------------------------------------------------------------- crop and batch
+    def _truncate_sink(self, length: int) -> None:
+        self.sink_buf.truncate(length)
+        self.recent.reset(self.sink)
+
+    def _finish_truncate(self, length: int) -> None:
+        self.length = length
+        if self._valid is not None:
+            self._valid = self._valid[:, :length]
+
+    def reset(self) -> None:
+        self.sink_buf.reset()
+        self.recent.reset(self.sink)
+        self.length = 0
+        self._valid = None
+
+    def reserve(self, max_length: int) -> None:
+        if self.length == 0:
+            self.recent.reserve = min(int(max_length), 2 * (self.window + self.page + self.rollback))
+
+    def _map_batch(self, fn):
+        self.sink_buf.map_batch(fn)
+        self.recent.map_batch(fn)
+        if self._valid is not None:
+            self._valid = fn(self._valid)
+
+    def allocated_bytes(self) -> int:
+        return self.sink_buf.allocated_bytes + self.recent.allocated_bytes
+
+    def stored_bytes(self) -> int:
+        return self.sink_buf.live_bytes + self.recent.live_bytes

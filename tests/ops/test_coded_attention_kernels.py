@@ -1,0 +1,312 @@
+"""The Triton kernel of `coded_attention` against the pure-torch reference on the same stored codes.
+
+Runs on CUDA, or on the CPU under `TRITON_INTERPRET=1` (then only fp32 / fp16 and small shapes:
+`tests/ops/test_triton_interpreter.py` starts this module in a subprocess with the variable set, because Triton reads
+it when the kernels are decorated). bf16 and the long histories carry the `gpu` mark.
+
+Tolerance (STYLE 14): the kernel's error against the reference in fp64 is at most twice the error of the same
+reference fed the kernel's dtype (inputs and dequantized codes rounded to it), plus a small atol.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from triton_ops.coded_attention import CellView, reference_coded_attention
+from triton_ops.quant import naive
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 (see test_triton_interpreter)"
+)
+PAGE = 32
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+LSE_ATOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+# V-precision threshold: fp32 runs use a small tau so that cold and hot tokens mix near the threshold; in 16 bits
+# a score rounding can flip a token that close to it (a legitimate difference of up to p * 1.5 * scale), so those
+# runs keep LoopKV's tau = 14, where a flipped token weighs at most 2**-14 of the row's largest probability.
+TAU = {torch.float32: 4.0, torch.float16: 14.0, torch.bfloat16: 14.0}
+
+
+@dataclass
+class Case:
+    """One cell's stored view: sink [0, S), history [S, S + T_h) as codes / dense, window [w_start, n), Q new tokens
+    at n .., per-query history bound (history < bound <= window)."""
+
+    B: int = 1
+    Hq: int = 2
+    Hkv: int = 1
+    D: int = 32
+    S: int = 4
+    hist: int = 64  # history tokens the last query reads
+    Wn: int = 12  # window positions past the history end
+    Q: int = 1
+    fmt: int = 4  # 4 / 2 codes, 0 dense
+    vprec: bool = True
+    pad: bool = False
+    splits: int | None = None
+    moving: bool = True  # per-query bounds differ inside a block
+    strided: bool = False  # history borrowed as a view into a larger buffer (a share cell's source)
+
+    def id(self) -> str:
+        fmt = {4: "int4", 2: "int2", 0: "bf16"}[self.fmt]
+        extra = "-vprec" if self.vprec and self.fmt == 4 else ""
+        extra += "-pad" if self.pad else ""
+        extra += f"-ns{self.splits}" if self.splits else ""
+        extra += "-strided" if self.strided else ""
+        return f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-S{self.S}-T{self.hist}-W{self.Wn}-Q{self.Q}-{fmt}{extra}"
+
+
+def _build(case: Case, dtype: torch.dtype, seed: int = 0):
+    """Random stored pieces of one cell; returns the CellView (codes / plane as stored, full-precision parts in
+    `dtype`) and what the tests need to rebuild it in other dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, d, s = case.B, case.Hkv, case.D, case.S
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    pages = max(1, math.ceil(case.hist / PAGE))
+    t_codes = pages * PAGE
+    hist_end = s + case.hist  # the last query's bound
+    # the window starts where the first query's history ends (bounds move by up to Q - 1 inside a block)
+    w_start = max(s, hist_end - (case.Q - 1 if case.moving else 0))
+    n = hist_end + case.Wn
+    q = r(b, case.Hq, case.Q, d, scale=1.5)
+    parts = dict(
+        sk=r(b, hkv, s, d) + 2 * q[:, :hkv, :1], sv=r(b, hkv, s, d),
+        wk=r(b, hkv, n - w_start, d), wv=r(b, hkv, n - w_start, d), nk=r(b, hkv, case.Q, d), nv=r(b, hkv, case.Q, d),
+    )  # fmt: skip
+    hk = r(b, hkv, t_codes, d) + r(b, hkv, 1, d, scale=2.0)
+    hv = r(b, hkv, t_codes, d)
+    bounds = torch.full((b, case.Q), hist_end, dtype=torch.int32)
+    if case.moving and case.Q > 1:
+        for row in range(b):
+            inner = sorted(int(x) for x in torch.randint(w_start, hist_end + 1, (case.Q - 2,), generator=g))
+            bounds[row] = torch.tensor([w_start, *inner, hist_end][: case.Q] if case.Q > 1 else [hist_end])
+    valid = None
+    if case.pad:
+        valid = torch.ones(b, n + case.Q, dtype=torch.bool)
+        valid[0, : min(3, n)] = False  # left padding of row 0, the sink included
+        valid[-1, s + 1 : s + 1 + max(1, case.hist // 2)] = False  # a padded stretch in the history
+        if case.Q > 1:
+            valid[-1, n] = False  # a padded new token (it still attends to itself)
+    if case.fmt:
+        history = (naive.quantize_keys(hk, case.fmt, group_size=PAGE), naive.quantize_values(hv, case.fmt))
+    else:
+        history = (hk.to(dtype), hv.to(dtype))
+    return dict(
+        case=case, q=q, parts=parts, history=history, bounds=bounds, valid=valid, n=n, w_start=w_start,
+        scaling=d**-0.5, tau=TAU[dtype], dtype=dtype,
+    )  # fmt: skip
+
+
+def _widen(x, device):
+    """The same bytes inside a larger buffer: a strided view (as a borrowed source buffer or a capacity slice)."""
+    big = torch.zeros(x.shape[0] + 1, x.shape[1] + 2, x.shape[2] + 5, x.shape[3], dtype=x.dtype, device=device)
+    big[1:, 2:, 3 : 3 + x.shape[2]] = x
+    return big[1:, 2:, 3 : 3 + x.shape[2]]
+
+
+def _view(data, dtype, device="cpu", plane=False):
+    """The CellView in `dtype` on `device`; `plane=True` replaces coded history by its decoded values (fp32 decode,
+    then rounded to `dtype`), a plane the reference reads without V precision."""
+    case, p = data["case"], data["parts"]
+    conv = {k: v.to(device=device, dtype=dtype) for k, v in p.items()}
+    hk, hv = data["history"]
+    if isinstance(hk, naive.QuantizedKeys):
+        if plane:
+            hk, hv = naive.dequantize_keys(hk).to(dtype), naive.dequantize_values(hv).to(dtype)
+        elif device != "cpu" or case.strided:
+            move = (lambda t: _widen(t.to(device), device)) if case.strided else (lambda t: t.to(device))
+            hk = naive.QuantizedKeys(move(hk.codes), move(hk.scale), move(hk.zero), hk.nbits, hk.group_size)
+            hv = naive.QuantizedValues(
+                move(hv.hi), None if hv.lo is None else move(hv.lo), move(hv.scale), move(hv.zero), hv.nbits,
+                hv.group_size,
+            )  # fmt: skip
+    if isinstance(hk, torch.Tensor):
+        hk, hv = hk.to(device=device, dtype=dtype), hv.to(device=device, dtype=dtype)
+        if case.strided:
+            hk, hv = _widen(hk, device), _widen(hv, device)
+    s_len = min(case.S, data["n"])
+    return CellView(
+        new_key=conv["nk"], new_value=conv["nv"], length=data["n"], history_end=data["bounds"].to(device),
+        sink_key=conv["sk"] if s_len else None, sink_value=conv["sv"] if s_len else None, history_start=case.S,
+        history_key=hk, history_value=hv, window_start=data["w_start"],
+        window_key=conv["wk"] if data["n"] > data["w_start"] else None,
+        window_value=conv["wv"] if data["n"] > data["w_start"] else None,
+        key_valid=None if data["valid"] is None else data["valid"].to(device),
+    )  # fmt: skip
+
+
+def _reference(data, stats=None):
+    """The contract in fp64 (codes decoded as stored)."""
+    tau = data["tau"] if data["case"].vprec else None
+    return reference_coded_attention(
+        data["q"].double(), _view(data, torch.float64), scaling=data["scaling"], v_precision_tau=tau,
+        v_precision_stats=stats,
+    )  # fmt: skip
+
+
+def _reference_error(data, dtype):
+    """The reference's own error in `dtype`: every input, decoded history included, rounded to `dtype` (plane,
+    both value planes), against the same plane in fp64."""
+    exact = reference_coded_attention(data["q"].double(), _view(data, torch.float64, plane=True), scaling=data["scaling"])
+    q_low = data["q"].to(dtype)
+    low = reference_coded_attention(q_low, _view(data, dtype, plane=True), scaling=data["scaling"])
+    return (low[0].double() - exact[0]).abs().max().item()
+
+
+def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
+    from triton_ops.coded_attention.ops import _coded_attention_fwd, _kernel_supports
+
+    case, dtype = data["case"], data["dtype"]
+    use_vprec = case.vprec if vprec is None else vprec
+    query, view = data["q"].to(device=device, dtype=dtype), _view(data, dtype, device)
+    reason = _kernel_supports(query, view)
+    if reason is not None and not INTERPRET:  # coded_attention sends such shapes to the reference
+        pytest.skip(f"the compiled kernel does not take {reason}")
+    return _coded_attention_fwd(
+        query, view, scaling=data["scaling"],
+        v_precision_tau=data["tau"] if use_vprec else None, v_precision_stats=stats, num_splits=case.splits,
+    )  # fmt: skip
+
+
+def _check(case: Case, dtype: torch.dtype, seed: int = 0):
+    data = _build(case, dtype, seed)
+    stats_k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    out, lse = _run_kernel(data, stats=stats_k)
+    assert out.dtype == dtype and out.shape == (case.B, case.Hq, case.Q, case.D)
+    assert lse.shape == (case.B, case.Hq, case.Q) and lse.dtype == torch.float32
+    stats_r = torch.zeros(2, dtype=torch.int64)
+    ref, ref_lse = _reference(data, stats=stats_r)
+    err = (out.double().cpu() - ref).abs().max().item()
+    err_ref = _reference_error(data, dtype) if dtype != torch.float32 else 0.0
+    assert torch.isfinite(out).all()
+    assert err <= 2 * err_ref + ATOL[dtype], f"{case.id()} {dtype}: kernel err {err:.3e}, reference err {err_ref:.3e}"
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[dtype], rtol=0)
+    if case.vprec and case.fmt == 4:  # same cold set (up to tokens at the threshold, whose score rounds across it)
+        assert stats_k[1].item() == stats_r[1].item()
+        slack = 0 if dtype == torch.float32 else max(2, int(2e-3 * stats_r[1].item()))
+        assert abs(stats_k[0].item() - stats_r[0].item()) <= slack, (stats_k.tolist(), stats_r.tolist())
+    else:
+        assert stats_k.tolist() == [0, 0]
+    return data, out, lse
+
+
+CPU_CASES = [
+    Case(hist=1, S=4),
+    Case(hist=31),
+    Case(hist=32, splits=1),
+    Case(hist=33, splits=2),
+    Case(hist=100, splits=3, S=0),
+    Case(hist=100, splits=3, pad=True, B=2),
+    Case(hist=64, Q=9, Hq=4, Hkv=2, Wn=8, splits=2),  # verification block of W + 1 tokens, GQA 2
+    Case(hist=64, Q=5, Hq=8, Hkv=2, pad=True, B=2, splits=2),
+    Case(hist=70, fmt=2, Hq=4, Hkv=1, splits=2),
+    Case(hist=70, fmt=4, vprec=False, splits=2),
+    Case(hist=70, fmt=0, Q=3, splits=2, pad=True, B=2),
+    Case(hist=64, strided=True, splits=2, Q=2),
+    Case(hist=64, strided=True, fmt=0, splits=2),
+    Case(hist=65, Wn=0, Q=1, S=1),  # nothing in the window: the bound is the cached length
+    Case(hist=40, Q=9, Hq=8, Hkv=1, Wn=8, splits=2, pad=True),  # 72 rows: two row blocks
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CPU_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kernel_matches_reference(case, dtype):
+    _check(case, dtype)
+
+
+def test_v_precision_is_applied():
+    """With V precision off, the kernel leaves the reference with V precision by far more than the tolerance, so
+    the comparisons above would see it missing (LoopKV Sec. 3.3); the counts give a real mix of cold and hot."""
+    data = _build(Case(hist=96, splits=3, Q=2, Hq=2), torch.float32)
+    stats = torch.zeros(2, dtype=torch.int64)
+    ref, _ = _reference(data, stats=stats)
+    assert 0.3 < stats[0].item() / stats[1].item() < 0.95
+    out_off, _ = _run_kernel(data, vprec=False)
+    assert (out_off.double().cpu() - ref).abs().max() > 100 * ATOL[torch.float32]
+
+
+def test_running_max_crosses_splits():
+    """The largest history score sits in page 0: the later splits must inherit it through the prefix of page maxima
+    (a running maximum kept per split would leave their tokens hot). Same output and cold count for 1 and 4 splits."""
+    data = _build(Case(hist=128, S=0, Q=1, Hq=1, Hkv=1), torch.float32)
+    qk, qv = data["history"]
+    k = naive.dequantize_keys(qk)
+    k[:, :, 3] = data["q"][:, :1, 0] * 6  # a key aligned with the query
+    data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
+    stats = torch.zeros(2, dtype=torch.int64)
+    ref, _ = _reference(data, stats=stats)
+    assert stats[0].item() > 0
+    for ns in (1, 2, 4):
+        data["case"].splits = ns
+        got = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        out, _ = _run_kernel(data, stats=got)
+        assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], ns
+        assert got.tolist() == stats.tolist(), ns
+
+
+def test_public_coded_attention_validates_and_falls_back():
+    from triton_ops.coded_attention import coded_attention
+
+    data = _build(Case(hist=40, Q=2), torch.float32)
+    view = _view(data, torch.float32)
+    out, lse = coded_attention(data["q"], view, scaling=data["scaling"], v_precision_tau=4.0)
+    ref, ref_lse = reference_coded_attention(data["q"], view, scaling=data["scaling"], v_precision_tau=4.0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # CPU tensors: the reference
+    with pytest.raises(TypeError, match="dtype"):
+        coded_attention(data["q"].half(), view, scaling=1.0)
+    with pytest.raises(ValueError, match="scaling"):
+        coded_attention(data["q"], view, scaling=float("nan"))
+
+
+GPU_SWEEP = [
+    Case(B=2, Hq=16, Hkv=16, D=128, S=32, hist=h, Wn=256, Q=1, fmt=f, vprec=v)
+    for h in (1, 31, 32, 33, 1000, 8192)
+    for f, v in ((4, True), (4, False), (2, False), (0, False))
+]
+GPU_SPECIAL = [
+    Case(B=3, Hq=16, Hkv=2, D=128, S=32, hist=1000, Wn=64, Q=65, fmt=4, vprec=True, pad=True),  # W + 1, GQA 8
+    Case(B=1, Hq=16, Hkv=4, D=128, S=0, hist=8192, Wn=64, Q=5, fmt=4, vprec=True),
+    Case(B=2, Hq=32, Hkv=8, D=64, S=4, hist=333, Wn=64, Q=17, fmt=0, pad=True),
+    Case(B=2, Hq=16, Hkv=16, D=128, S=32, hist=2000, Wn=64, Q=1, fmt=4, strided=True),
+    Case(B=2, Hq=16, Hkv=16, D=128, S=32, hist=2000, Wn=64, Q=4, fmt=2, strided=True, pad=True),
+    Case(B=2, Hq=8, Hkv=2, D=64, S=4, hist=300, Wn=64, Q=3, fmt=2, pad=True),  # the smallest coded head dim
+    Case(B=2, Hq=8, Hkv=2, D=64, S=4, hist=300, Wn=64, Q=3, fmt=4, vprec=True, splits=3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_SWEEP])
+def test_kernel_matches_reference_gpu_sweep(case):
+    _check(case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_SPECIAL])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_matches_reference_gpu(case, dtype):
+    _check(case, dtype)
+
+
+def test_kernel_refuses_shapes_it_cannot_take():
+    """Shapes the compiled kernel cannot take go to the reference (announced), never to a wrong launch."""
+    from triton_ops.coded_attention.ops import _kernel_supports
+
+    data = _build(Case(hist=40, D=32), torch.float32)
+    assert "head_dim 32" in _kernel_supports(data["q"], _view(data, torch.float32))
+    data = _build(Case(hist=40, D=64, fmt=0), torch.float32)
+    assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
+    data = _build(Case(hist=40, D=64), torch.float32)
+    assert _kernel_supports(data["q"].double(), _view(data, torch.float64)) is not None

@@ -1,0 +1,28 @@
+"""CPU CI runs the Triton kernel tests under the interpreter: `TRITON_INTERPRET=1` must be set before the kernels are
+decorated, so this test starts those modules in a subprocess with the variable set (fp32 / fp16, small shapes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = ["tests/ops/test_quant_kernels.py", "tests/ops/test_coded_attention_kernels.py"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernel tests run on the device directly")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already under the interpreter")
+def test_triton_kernels_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *MODULES]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail

@@ -1,0 +1,430 @@
+"""Triton kernels of `coded_attention` (`@triton.jit` only; the launcher and validation are in `ops.py`, the math in
+README.md).
+
+Split-history (flash-decoding) attention of `Q` new tokens over one cell's stored view. The grid is
+`(NS + 1, B * H_kv, row blocks)`: programs `0 .. NS-1` each read a contiguous range of history pages straight from
+the stored codes (INT4 / INT2) or BF16 tensors; program `NS` reads the dense tail (sink, window, new tokens). Rows
+are the `G * Q` queries that share one KV head (GQA: K/V are read once per row block). Each program writes a partial
+`(o, lse)`; `_coded_attention_merge_kernel` combines them by log-sum-exp. Scores are kept in log2 units
+(`qk * scale * log2(e)`), so the V-precision margin `tau * ln 2` becomes `tau`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _online_update(b_s, b_m, b_l, b_acc):
+    """One flash step: new running max, rescaled `l` / `acc`, and the probabilities `p` of the tile `b_s` (log2)."""
+    b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BR]
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # rows that see nothing yet stay at p = 0
+    b_alpha = tl.exp2(b_m - b_ms)
+    b_p = tl.exp2(b_s - b_ms[:, None])  # [BR, BT]
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_acc = b_acc * b_alpha[:, None]
+    return b_mn, b_l, b_acc, b_p
+
+
+@triton.jit
+def _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc, o_cols, m_row, D: tl.constexpr):
+    """A program's partial output normalised by its own `l` (columns `o_cols`) and its lse in log2 units
+    (-inf when the program saw no key)."""
+    b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    tl.store(lse_ptr + o_part, b_lse, mask=m_row)
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    tl.store(o_ptr + o_part[:, None] * D + o_cols[None, :], b_o, mask=m_row[:, None])
+
+
+@triton.jit
+def _codes_scores(b_s, b_qj, b_pk, p_ks, p_kz, SHIFT: tl.constexpr, QMAX: tl.constexpr, IEEE: tl.constexpr):
+    """Add the scores of one bit lane of packed key codes `b_pk` [P, DK]: `k = c * scale + zero` per channel, so the
+    page's scale folds into the queries `b_qj` [BR, DK] of the lane's channels and its zero into a row bias."""
+    b_c = ((b_pk >> SHIFT) & QMAX).to(b_qj.dtype)  # [P, DK], exact small integers
+    b_ks = tl.load(p_ks).to(tl.float32)  # [DK]
+    b_kz = tl.load(p_kz).to(tl.float32)
+    b_qf = b_qj.to(tl.float32)
+    b_s += _dot((b_qf * b_ks[None, :]).to(b_qj.dtype), tl.trans(b_c), IEEE)
+    b_s += tl.sum(b_qf * b_kz[None, :], axis=1)[:, None]
+    return b_s
+
+
+@triton.jit
+def _codes_values(
+    b_acc, b_p, b_ph, b_hi, b_lo, b_vs, b_vz, SHIFT: tl.constexpr, NBITS: tl.constexpr, USE_VPREC: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Add `p @ v` for one bit lane of the packed value planes ([P, DV] bytes) into its accumulator [BR, DV]."""
+    b_h = ((b_hi >> SHIFT) & 3).to(tl.float32)
+    if NBITS == 2:
+        b_acc += _dot(b_p, (b_h * b_vs + b_vz).to(b_p.dtype), IEEE)
+    else:
+        b_l = ((b_lo >> SHIFT) & 3).to(tl.float32)
+        if USE_VPREC:
+            b_acc += _dot(b_p, ((b_h * 4.0 + 1.5) * b_vs + b_vz).to(b_p.dtype), IEEE)
+            b_acc += _dot(b_ph, ((b_l - 1.5) * b_vs).to(b_p.dtype), IEEE)
+        else:
+            b_acc += _dot(b_p, ((b_h * 4.0 + b_l) * b_vs + b_vz).to(b_p.dtype), IEEE)
+    return b_acc
+
+
+@triton.jit
+def _attend_dense(
+    b_q,
+    b_m,
+    b_l,
+    b_acc,
+    k_ptr,
+    v_ptr,
+    stride_kt,
+    stride_vt,
+    length,
+    pos0,
+    b_lo,
+    b_hi,
+    b_own,
+    m_row,
+    p_valid,
+    stride_validt,
+    qk_scale,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    USE_VALID: tl.constexpr,
+    IEEE: tl.constexpr,
+    MAX_ONLY: tl.constexpr,
+):
+    """Online softmax over a dense segment of `length` positions `pos0 ..`; row r sees `b_lo[r] <= pos < b_hi[r]`
+    (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed)."""
+    o_d = tl.arange(0, D)
+    for t0 in range(0, length, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < length
+        o_pos = pos0 + o_t
+        b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + o_d[None, :], mask=m_t[:, None], other=0.0)  # [BT, D]
+        b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale  # [BR, BT]
+        m_vis = m_t[None, :] & m_row[:, None] & (o_pos[None, :] >= b_lo[:, None]) & (o_pos[None, :] < b_hi[:, None])
+        if USE_VALID:
+            b_valid = tl.load(p_valid + o_pos * stride_validt, mask=m_t, other=0) != 0
+            m_vis = m_vis & (b_valid[None, :] | (o_pos[None, :] == b_own[:, None]))
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        if MAX_ONLY:
+            b_m = tl.maximum(b_m, tl.max(b_s, axis=1))
+        else:
+            b_m, b_l, b_acc, b_p = _online_update(b_s, b_m, b_l, b_acc)
+            b_v = tl.load(v_ptr + o_t[:, None] * stride_vt + o_d[None, :], mask=m_t[:, None], other=0.0)
+            b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
+    return b_m, b_l, b_acc
+
+
+@triton.jit(do_not_specialize=["S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q"])
+def _coded_attention_fwd_kernel(
+    q_ptr,
+    o_ptr,
+    lse_ptr,
+    pmax_ptr,
+    bound_ptr,
+    valid_ptr,
+    # sink [B, H_kv, S, D], window [B, H_kv, W, D] (positions w_start ..), new [B, H_kv, Q, D] (positions n_start ..)
+    sk_ptr,
+    sv_ptr,
+    wk_ptr,
+    wv_ptr,
+    nk_ptr,
+    nv_ptr,
+    # history: codes (k codes / scale / zero, v hi / lo / scale / zero) or dense k / v in hk_ptr / hv_ptr
+    hk_ptr,
+    hks_ptr,
+    hkz_ptr,
+    hv_ptr,
+    hvl_ptr,
+    hvs_ptr,
+    hvz_ptr,
+    stats_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qq,
+    stride_bb,
+    stride_bq,
+    stride_validb,
+    stride_validt,
+    stride_skb,
+    stride_skh,
+    stride_skt,
+    stride_svb,
+    stride_svh,
+    stride_svt,
+    stride_wkb,
+    stride_wkh,
+    stride_wkt,
+    stride_wvb,
+    stride_wvh,
+    stride_wvt,
+    stride_nkb,
+    stride_nkh,
+    stride_nkt,
+    stride_nvb,
+    stride_nvh,
+    stride_nvt,
+    stride_hkb,
+    stride_hkh,
+    stride_hkt,
+    stride_hksb,
+    stride_hksh,
+    stride_hksp,
+    stride_hvb,
+    stride_hvh,
+    stride_hvt,
+    stride_hvsb,
+    stride_hvsh,
+    stride_hvst,
+    H_KV,
+    G,
+    Q,
+    S,
+    W,
+    w_start,
+    n_start,
+    hist_start,
+    n_pages,
+    pages_per_split,
+    NS,
+    qk_scale,
+    margin,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    VGROUP: tl.constexpr,
+    KV_FMT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_PM: tl.constexpr,
+    USE_VALID: tl.constexpr,
+    USE_VPREC: tl.constexpr,
+    COUNT: tl.constexpr,
+    READ_PREFIX: tl.constexpr,
+    PAGE_MAX_ONLY: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    i_b, i_hk = i_bh // H_KV, i_bh % H_KV
+    R = G * Q
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # row = g * Q + i
+    m_row = o_r < R
+    o_g, o_i = o_r // Q, o_r % Q
+    o_d = tl.arange(0, D)
+    p_q = q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None], other=0.0)  # [BR, D]
+    b_bound = tl.load(bound_ptr + i_b * stride_bb + o_i * stride_bq, mask=m_row, other=0).to(tl.int32)  # history positions < bound, window positions >= bound
+    b_own = n_start + o_i
+    p_valid = valid_ptr + i_b * stride_validb
+    b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    b_zero = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if i_s == NS:
+        # the dense tail: sink (padding only), window (positions >= bound), new tokens (causal)
+        b_m, b_l, b_acc = _attend_dense(
+            b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
+            sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero, b_zero + S, b_own,
+            m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+        )  # fmt: skip
+        b_m, b_l, b_acc = _attend_dense(
+            b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
+            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_start, b_bound,
+            b_zero + w_start + W, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+        )  # fmt: skip
+        b_m, b_l, b_acc = _attend_dense(
+            b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,
+            nv_ptr + i_b * stride_nvb + i_hk * stride_nvh, stride_nkt, stride_nvt, Q, n_start, b_zero + n_start,
+            b_own + 1, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+        )  # fmt: skip
+        _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
+    else:
+        p_begin = i_s * pages_per_split
+        p_end = tl.minimum(p_begin + pages_per_split, n_pages)
+        b_nh = b_bound - hist_start  # history tokens row r reads
+        if COUNT:
+            b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
+            b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
+        if USE_VPREC and not PAGE_MAX_ONLY:
+            # running max seed: the sink maximum, then the page maxima of the earlier splits
+            b_run, b_unused, b_acc = _attend_dense(
+                b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
+                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero, b_zero + S,
+                b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, True,
+            )  # fmt: skip
+            if READ_PREFIX:
+                p_pm = pmax_ptr + (i_bh * (G * Q) + o_r)[:, None] * n_pages
+                for pm0 in range(0, p_begin, BLOCK_PM):
+                    o_p = pm0 + tl.arange(0, BLOCK_PM)
+                    m_p = m_row[:, None] & (o_p < p_begin)[None, :]
+                    b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"))
+                    b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
+        o_t0 = tl.arange(0, PAGE)
+        o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
+        if KV_FMT == 0:
+            p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
+            p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]
+            for i_p in range(p_begin, p_end):
+                o_t = i_p * PAGE + o_t0  # history index of the tile's tokens
+                m_vis = m_row[:, None] & (o_t[None, :] < b_nh[:, None])  # [BR, P]
+                m_t = tl.max(m_vis.to(tl.int32), axis=0) > 0  # tokens any row reads
+                if USE_VALID:
+                    b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
+                    m_vis = m_vis & b_valid[None, :]
+                b_k = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0.0)  # [P, D]
+                b_s = tl.where(m_vis, _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale, float("-inf"))
+                b_m, b_l, b_acc, b_p = _online_update(b_s, b_m, b_l, b_acc)
+                b_v = tl.load(p_v + o_t[:, None] * stride_hvt, mask=m_t[:, None], other=0.0)
+                b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
+            _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc, o_d, m_row, D)
+        else:
+            # codes are read as packed bytes: bit lane j of key byte c holds channel PER_BYTE * c + j and of value
+            # byte c channel 4 * c + j, so the scores sum one product per key lane and the output keeps one
+            # accumulator per value lane (nothing is interleaved in registers)
+            PER_BYTE: tl.constexpr = 8 // KV_FMT
+            QMAX: tl.constexpr = 2**KV_FMT - 1
+            DK: tl.constexpr = D // PER_BYTE
+            DV: tl.constexpr = D // 4
+            o_ck = tl.arange(0, DK)
+            o_cv = tl.arange(0, DV)
+            p_qrow = q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq
+            b_q0 = tl.load(p_qrow + (o_ck * PER_BYTE)[None, :], mask=m_row[:, None], other=0.0)  # [BR, DK]
+            b_q1 = tl.load(p_qrow + (o_ck * PER_BYTE + 1)[None, :], mask=m_row[:, None], other=0.0)
+            if PER_BYTE == 4:
+                b_q2 = tl.load(p_qrow + (o_ck * PER_BYTE + 2)[None, :], mask=m_row[:, None], other=0.0)
+                b_q3 = tl.load(p_qrow + (o_ck * PER_BYTE + 3)[None, :], mask=m_row[:, None], other=0.0)
+            p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_ck[None, :]
+            p_ks = hks_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_ck * PER_BYTE
+            p_kz = hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_ck * PER_BYTE
+            p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_cv[None, :]
+            p_vl = hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_cv[None, :]
+            o_vg = ((o_cv * 4) // VGROUP)[None, :]  # value group of channels 4c .. 4c + 3 (VGROUP % 4 == 0)
+            p_vs = hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh + o_vg
+            p_vz = hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh + o_vg
+            b_acc0 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            b_acc1 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            b_acc2 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            b_acc3 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+            for i_p in range(p_begin, p_end):
+                o_t = i_p * PAGE + o_t0  # history index of the page's tokens
+                m_vis = m_row[:, None] & (o_t[None, :] < b_nh[:, None])  # [BR, P]
+                m_t = tl.max(m_vis.to(tl.int32), axis=0) > 0  # tokens any row reads
+                if USE_VALID:
+                    b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
+                    m_vis = m_vis & b_valid[None, :]
+                b_pk = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0)  # [P, DK] uint8
+                p_ksp = p_ks + i_p * stride_hksp
+                p_kzp = p_kz + i_p * stride_hksp
+                b_s = tl.zeros([BLOCK_R, PAGE], dtype=tl.float32)
+                b_s = _codes_scores(b_s, b_q0, b_pk, p_ksp, p_kzp, 0, QMAX, IEEE)
+                b_s = _codes_scores(b_s, b_q1, b_pk, p_ksp + 1, p_kzp + 1, KV_FMT, QMAX, IEEE)
+                if PER_BYTE == 4:
+                    b_s = _codes_scores(b_s, b_q2, b_pk, p_ksp + 2, p_kzp + 2, 4, QMAX, IEEE)
+                    b_s = _codes_scores(b_s, b_q3, b_pk, p_ksp + 3, p_kzp + 3, 6, QMAX, IEEE)
+                b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, P]
+                if PAGE_MAX_ONLY:
+                    tl.store(pmax_ptr + (i_bh * (G * Q) + o_r) * n_pages + i_p, tl.max(b_s, axis=1), mask=m_row)
+                else:
+                    b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+                    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # rows that see nothing yet stay at p = 0
+                    b_alpha = tl.exp2(b_m - b_ms)
+                    b_p = tl.exp2(b_s - b_ms[:, None])
+                    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+                    b_m = b_mn
+                    b_acc0 = b_acc0 * b_alpha[:, None]
+                    b_acc1 = b_acc1 * b_alpha[:, None]
+                    b_acc2 = b_acc2 * b_alpha[:, None]
+                    b_acc3 = b_acc3 * b_alpha[:, None]
+                    o_vt = o_t[:, None]
+                    b_hi = tl.load(p_v + o_vt * stride_hvt, mask=m_t[:, None], other=0)  # [P, DV] uint8
+                    b_vs = tl.load(p_vs + o_vt * stride_hvst, mask=m_t[:, None], other=0.0).to(tl.float32)
+                    b_vz = tl.load(p_vz + o_vt * stride_hvst, mask=m_t[:, None], other=0.0).to(tl.float32)
+                    if KV_FMT == 4:
+                        if USE_VPREC:
+                            # cold rows read the hi plane's bucket midpoint; hot rows add (lo - 1.5) * scale
+                            b_run = tl.maximum(b_run, tl.max(b_s, axis=1))
+                            m_hot = m_vis & (b_s >= b_run[:, None] - margin)
+                            m_lo = tl.max(m_hot.to(tl.int32), axis=0) > 0  # tokens some row reads hot
+                            if COUNT:
+                                b_cnt_all += tl.sum(m_vis.to(tl.int32), axis=1)
+                                b_cnt_cold += tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1)
+                        else:
+                            m_hot = m_vis
+                            m_lo = m_t
+                        b_lo = tl.load(p_vl + o_vt * stride_hvt, mask=m_lo[:, None], other=0)
+                    else:
+                        m_hot = m_vis
+                        b_lo = b_hi
+                    b_p16 = b_p.to(b_q.dtype)
+                    b_ph16 = tl.where(m_hot, b_p, 0.0).to(b_q.dtype)
+                    b_acc0 = _codes_values(b_acc0, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 0, KV_FMT, USE_VPREC, IEEE)
+                    b_acc1 = _codes_values(b_acc1, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 2, KV_FMT, USE_VPREC, IEEE)
+                    b_acc2 = _codes_values(b_acc2, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 4, KV_FMT, USE_VPREC, IEEE)
+                    b_acc3 = _codes_values(b_acc3, b_p16, b_ph16, b_hi, b_lo, b_vs, b_vz, 6, KV_FMT, USE_VPREC, IEEE)
+            if not PAGE_MAX_ONLY:
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc0, o_cv * 4, m_row, D)
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
+                _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
+        if COUNT and not PAGE_MAX_ONLY:
+            i_prog = (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2) + i_r
+            tl.store(stats_ptr + i_prog * 2, tl.sum(b_cnt_cold, axis=0))
+            tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(b_cnt_all, axis=0))
+
+
+@triton.jit(do_not_specialize=["NS", "Q"])
+def _coded_attention_merge_kernel(
+    o_part_ptr,
+    lse_part_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_ob,
+    stride_oh,
+    stride_oq,
+    stride_lb,
+    stride_lh,
+    H_KV,
+    G,
+    Q,
+    NS,
+    n_bh_rows,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # one program per (b, h_kv, row): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s (NS + 1 parts)
+    i_row = tl.program_id(0).to(tl.int64)
+    R = G * Q
+    i_bh, o_r = i_row // R, i_row % R
+    i_b, i_hk = i_bh // H_KV, i_bh % H_KV
+    i_hq, i_q = i_hk * G + o_r // Q, o_r % Q
+    o_d = tl.arange(0, D)
+    b_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NS + 1, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        b_lse = tl.load(lse_part_ptr + o_s * n_bh_rows + i_row, mask=o_s < NS + 1, other=float("-inf"))
+        b_max = tl.maximum(b_max, b_lse)
+    b_mx = tl.max(b_max, axis=0)
+    b_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    b_acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, NS + 1, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < NS + 1
+        b_w = tl.exp2(tl.load(lse_part_ptr + o_s * n_bh_rows + i_row, mask=m_s, other=float("-inf")) - b_mx)
+        b_sum += b_w
+        b_o = tl.load(o_part_ptr + (o_s * n_bh_rows + i_row)[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.0)
+        b_acc += tl.sum(b_w[:, None] * b_o, axis=0)
+    b_total = tl.sum(b_sum, axis=0)
+    p_out = out_ptr + i_b * stride_ob + i_hq * stride_oh + i_q * stride_oq + o_d
+    tl.store(p_out, (b_acc / b_total).to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + i_b * stride_lb + i_hq * stride_lh + i_q, (b_mx + tl.log2(b_total)) * _LN2)

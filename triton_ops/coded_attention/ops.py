@@ -1,0 +1,287 @@
+"""Host side of `coded_attention`: validation, dispatch (Triton on CUDA, the reference elsewhere), the launcher of
+the split-history kernel and of the merge kernel.
+
+`_coded_attention_fwd` reads every tensor of the `CellView` in place through its strides (only the last dim must have
+stride 1) and never copies or decodes a cache tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from triton_ops._dispatch import use_triton
+from triton_ops.coded_attention.reference import _check_query, reference_coded_attention
+
+if TYPE_CHECKING:
+    from triton_ops.coded_attention.view import CellView
+
+logger = logging.getLogger("triton_ops")
+
+__all__ = ["coded_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _strides(t: Tensor | None, n: int = 3) -> list[int]:
+    return list(t.stride()[:n]) if t is not None else [0] * n
+
+
+def _coded_attention_fwd(
+    query: Tensor,
+    view: CellView,
+    *,
+    scaling: float,
+    v_precision_tau: float | None,
+    v_precision_stats: Tensor | None = None,
+    num_splits: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Launch the split-history kernel (after the page-maxima pass when V precision needs it across splits) and the
+    merge; returns `(out [B, H_q, Q, D], lse [B, H_q, Q] fp32)`. `num_splits` forces the number of history splits
+    (tests); by default it follows the device's SM count. No host sync, no copy of any view tensor."""
+    from triton_ops.coded_attention.kernels import _coded_attention_fwd_kernel, _coded_attention_merge_kernel
+
+    b, hq, q_len, d = query.shape
+    new_k, new_v = view.new_key, view.new_value
+    hkv = view.num_kv_heads
+    groups = hq // hkv
+    rows = groups * q_len
+    block_r = max(16, min(64, _next_pow2(rows)))
+    n_rblocks = -(-rows // block_r)
+    dev = query.device
+    dummy = new_k
+    s_len = view.sink_length
+    sk, sv = (view.sink_key, view.sink_value) if s_len else (dummy, dummy)
+    w_len = view.length - view.window_start
+    wk, wv = (view.window_key, view.window_value) if w_len else (dummy, dummy)
+    hk_, hv_ = view.history_key, view.history_value
+    fmt = view.history_nbits or 0
+    if fmt:
+        page, vgroup = hk_.group_size, hv_.group_size
+        hk, hks, hkz = hk_.codes, hk_.scale, hk_.zero
+        hv, hvl, hvs, hvz = hv_.hi, hv_.lo, hv_.scale, hv_.zero
+    else:
+        page, vgroup = 32, 32
+        hk, hks, hkz = (hk_, None, None) if hk_ is not None else (dummy, None, None)
+        hv, hvl, hvs, hvz = (hv_, None, None, None) if hv_ is not None else (dummy, None, None, None)
+    # history positions any query may read: [S, min(S + T_hist, length))
+    hist_tokens = max(0, min(view.history_length, view.length - view.history_start))
+    n_pages = -(-hist_tokens // page)
+    base = b * hkv * n_rblocks
+    use_vprec = v_precision_tau is not None and fmt == 4
+    count = use_vprec and v_precision_stats is not None
+    if n_pages == 0:
+        ns = 0
+    elif num_splits is not None:
+        ns = min(num_splits, n_pages)
+    else:
+        sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
+        if use_vprec and base >= sms:
+            ns = 1  # one split per row block keeps the running maximum exact without a page-max pass
+        else:
+            ns = max(1, min(n_pages, -(-4 * sms // base)))
+    pps = -(-n_pages // ns) if ns else 0
+    ns = -(-n_pages // pps) if ns else 0
+    read_prefix = use_vprec and ns > 1
+    bound = view.history_end
+    key_valid = view.key_valid
+    o_part = torch.empty(ns + 1, b * hkv, rows, d, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(ns + 1, b * hkv, rows, dtype=torch.float32, device=dev)
+    pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
+    valid = key_valid if key_valid is not None else bound
+    stats_part = torch.zeros(max(ns, 1) * b * hkv * n_rblocks, 2, dtype=torch.int32, device=dev) if count else lse_part
+
+    def args(page_max_only: bool) -> dict:
+        return dict(
+            q_ptr=query,
+            o_ptr=o_part,
+            lse_ptr=lse_part,
+            pmax_ptr=pmax,
+            bound_ptr=bound,
+            valid_ptr=valid,
+            sk_ptr=sk,
+            sv_ptr=sv,
+            wk_ptr=wk,
+            wv_ptr=wv,
+            nk_ptr=new_k,
+            nv_ptr=new_v,
+            hk_ptr=hk,
+            hks_ptr=hks if hks is not None else hk,
+            hkz_ptr=hkz if hkz is not None else hk,
+            hv_ptr=hv,
+            hvl_ptr=hvl if hvl is not None else hv,
+            hvs_ptr=hvs if hvs is not None else hv,
+            hvz_ptr=hvz if hvz is not None else hv,
+            stats_ptr=stats_part,
+            stride_qb=query.stride(0),
+            stride_qh=query.stride(1),
+            stride_qq=query.stride(2),
+            stride_bb=bound.stride(0),
+            stride_bq=bound.stride(1),
+            stride_validb=key_valid.stride(0) if key_valid is not None else 0,
+            stride_validt=key_valid.stride(1) if key_valid is not None else 0,
+            **dict(zip(("stride_skb", "stride_skh", "stride_skt"), _strides(sk if s_len else None))),
+            **dict(zip(("stride_svb", "stride_svh", "stride_svt"), _strides(sv if s_len else None))),
+            **dict(zip(("stride_wkb", "stride_wkh", "stride_wkt"), _strides(wk if w_len else None))),
+            **dict(zip(("stride_wvb", "stride_wvh", "stride_wvt"), _strides(wv if w_len else None))),
+            **dict(zip(("stride_nkb", "stride_nkh", "stride_nkt"), _strides(new_k))),
+            **dict(zip(("stride_nvb", "stride_nvh", "stride_nvt"), _strides(new_v))),
+            **dict(zip(("stride_hkb", "stride_hkh", "stride_hkt"), _strides(hk))),
+            **dict(zip(("stride_hksb", "stride_hksh", "stride_hksp"), _strides(hks))),
+            **dict(zip(("stride_hvb", "stride_hvh", "stride_hvt"), _strides(hv))),
+            **dict(zip(("stride_hvsb", "stride_hvsh", "stride_hvst"), _strides(hvs))),
+            H_KV=hkv,
+            G=groups,
+            Q=q_len,
+            S=s_len,
+            W=w_len,
+            w_start=view.window_start,
+            n_start=view.length,
+            hist_start=view.history_start,
+            n_pages=n_pages,
+            pages_per_split=max(pps, 1),
+            NS=ns,
+            qk_scale=scaling * _LOG2E,
+            margin=(v_precision_tau or 0.0),  # tau * ln 2 in natural units is tau in log2 units
+            D=d,
+            PAGE=page,
+            VGROUP=vgroup,
+            KV_FMT=fmt,
+            BLOCK_R=block_r,
+            BLOCK_T=32,
+            BLOCK_PM=64,
+            USE_VALID=key_valid is not None,
+            USE_VPREC=use_vprec,
+            COUNT=count,
+            READ_PREFIX=read_prefix,
+            PAGE_MAX_ONLY=page_max_only,
+            IEEE=query.dtype == torch.float32,
+        )
+
+    if read_prefix:
+        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True))
+    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False))
+    out = torch.empty_like(query)
+    lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
+    _coded_attention_merge_kernel[(b * hkv * rows,)](
+        o_part_ptr=o_part,
+        lse_part_ptr=lse_part,
+        out_ptr=out,
+        lse_ptr=lse,
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_oq=out.stride(2),
+        stride_lb=lse.stride(0),
+        stride_lh=lse.stride(1),
+        H_KV=hkv,
+        G=groups,
+        Q=q_len,
+        NS=ns,
+        n_bh_rows=b * hkv * rows,
+        D=d,
+        BLOCK_S=16,
+    )
+    if count:
+        v_precision_stats += stats_part.sum(0).to(v_precision_stats.dtype)
+    return out, lse
+
+
+def _kernel_supports(query: Tensor, view: CellView) -> str | None:
+    """Why the kernel cannot take this call (None when it can)."""
+    d = view.head_dim
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype}"
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} (the kernel needs a power of two >= 16)"
+    if view.is_coded:
+        page = view.history_key.group_size
+        if page < 16 or page & (page - 1):
+            return f"key page size {page} (the kernel needs a power of two >= 16)"
+        if d < 64:
+            return f"head_dim {d} with coded history (the kernel's per-bit-lane dots need D / 4 >= 16)"
+        if view.history_value.group_size % 4:
+            return f"value group size {view.history_value.group_size} (the kernel needs a multiple of 4)"
+    return None
+
+
+def coded_attention(
+    query: Tensor,
+    view: CellView,
+    *,
+    scaling: float,
+    v_precision_tau: float | None = None,
+    v_precision_stats: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of the view's new tokens over what one cache cell stores, reading history codes as codes.
+
+    Same contract as `reference_coded_attention` (see there and README.md): on CUDA tensors with Triton installed it
+    runs the split-history kernel (one launch, plus a page-maxima launch when V precision spans several splits, plus
+    the log-sum-exp merge); elsewhere, and for shapes the kernel does not take (a head dim or key page size that is
+    not a power of two >= 16, fp64), the reference. The kernel path reads every view tensor in place through its
+    strides (no `.contiguous()`, no decoded copy) and never reads a value back to the host, so it does not re-check
+    `history_end` against the view (the reference does).
+
+    Args:
+        query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens, in the view's dtype; `H_q` a
+            multiple of `H_kv`. `q` is 1 for decoding, up to `W + 1` for a verification block.
+        view (`CellView`): the cell's sink, history (INT4 / INT2 codes or a BF16 plane), window, new tokens,
+            per-(row, query) history boundaries and padding.
+        scaling (`float`): softmax scale.
+        v_precision_tau (`float`, *optional*): LoopKV's read-time V precision on INT4 history (cold iff
+            `score < running max - tau * ln 2`; cold tokens read only the `hi` plane). None reads both planes.
+        v_precision_stats (`torch.Tensor` of shape `[2]`, *optional*): `[cold reads, INT4 history reads]`,
+            accumulated in place on the device.
+
+    Returns:
+        `(out, lse)`: `out` `[B, H_q, q, D]` in the query's dtype, `lse` `[B, H_q, q]` fp32 natural-log sum of
+        `exp(score)` over every key each query reads.
+
+    Example:
+        >>> out, lse = coded_attention(q, view, scaling=128**-0.5, v_precision_tau=14.0)  # doctest: +SKIP
+    """
+    _check_query(query, view)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not math.isfinite(scaling):
+        raise ValueError(f"`scaling` must be a finite float, got {scaling!r}")
+    reason = _kernel_supports(query, view)
+    if not use_triton("coded_attention", query) or reason is not None:
+        if reason is not None and query.is_cuda:
+            _announce(reason)
+        return reference_coded_attention(
+            query, view, scaling=scaling, v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
+        )
+    if v_precision_tau is not None and (
+        isinstance(v_precision_tau, bool) or not isinstance(v_precision_tau, (int, float)) or v_precision_tau < 0
+    ):
+        raise ValueError(f"`v_precision_tau` must be a non-negative float or None, got {v_precision_tau!r}")
+    if v_precision_stats is not None and (
+        not isinstance(v_precision_stats, Tensor) or tuple(v_precision_stats.shape) != (2,)
+    ):
+        raise ValueError(f"`v_precision_stats` must be a tensor of shape [2] (cold, history), got {v_precision_stats!r}")
+    if query.stride(-1) != 1:
+        raise ValueError(f"`query` must have stride 1 in its last dim, got strides {query.stride()}")
+    return _coded_attention_fwd(
+        query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
+    )
+
+
+_announced: set[str] = set()
+
+
+def _announce(reason: str) -> None:
+    if reason not in _announced:
+        _announced.add(reason)
+        logger.warning("coded_attention: the Triton kernel does not take %s; using the reference", reason)

@@ -1,0 +1,224 @@
+"""`CellView`: what one cache cell stores, as attention reads it. The contract between a cache and the op.
+
+A cell's positions `[0, length)` are held in up to three stretches, plus the `q` new tokens of the forward:
+
+```
+position:   0 ........ S ............................ length ....... length + q
+            | sink     | history (codes or BF16)  |                |
+            |          |            | window (BF16, own)          | new tokens (BF16)
+                       S      window_start    history_end[b, i]
+```
+
+- **sink** `[0, S')`, `S' = min(history_start, length)`: the cell's own keys and values at full precision;
+- **history** `[history_start, history_start + T_hist)`: KIVI codes (`QuantizedKeys` / `QuantizedValues` of
+  `triton_ops.quant`, own or a source cell's) or a BF16 plane (a source cell's buffers); it may hold more positions
+  than any query reads;
+- **window** `[window_start, length)`: the cell's own recent positions at full precision;
+- **new** `[length, length + q)`: the keys and values of the forward's new tokens.
+
+Query `i` of row `b` (at position `length + i`) reads position `j` from
+
+- the sink if `j < S'`,
+- the history if `history_start <= j < history_end[b, i]`,
+- the window if `history_end[b, i] <= j < length`,
+- the new tokens if `length <= j <= length + i`,
+
+and never a padded key (`key_valid[b, j]` False) except itself. So `history_end[b, i]` must lie in
+`[max(history_start, window_start), min(history_start + T_hist, length)]`; a query reads each position once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from triton_ops.quant import QuantizedKeys, QuantizedValues
+
+__all__ = ["CellView"]
+
+
+def _check_kv_tensor(t: object, name: str, ref: Tensor, length: int | None = None) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor of shape [B, H_kv, L, D], got {type(t).__name__}")
+    if t.ndim != 4 or t.shape[0] != ref.shape[0] or t.shape[1] != ref.shape[1] or t.shape[3] != ref.shape[3]:
+        raise ValueError(
+            f"`{name}` must have shape [B, H_kv, L, D] = [{ref.shape[0]}, {ref.shape[1]}, L, {ref.shape[3]}], "
+            f"got {tuple(t.shape)}"
+        )
+    if length is not None and t.shape[2] != length:
+        raise ValueError(f"`{name}` must hold {length} positions, got {t.shape[2]}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"`{name}` must have the dtype of `new_key` ({ref.dtype}), got {t.dtype}")
+    if t.shape[2] and t.stride(-1) != 1:
+        raise ValueError(f"`{name}` must have stride 1 in its last dim, got strides {t.stride()}")
+    return t
+
+
+@dataclass(frozen=True, eq=False)
+class CellView:
+    """One cell's stored keys and values plus the forward's new tokens, as `coded_attention` reads them.
+
+    Every tensor is a view of the cell's own storage (or of its source cell's): no field is a decoded copy. Tensors
+    may be strided in every dim but the last (stride 1).
+
+    Args:
+        new_key (`torch.Tensor` of shape `[B, H_kv, q, D]`): keys of the new tokens (positions `[length, length+q)`),
+            in the model's dtype (bf16, fp16 or fp32); every other full-precision tensor has this dtype.
+        new_value (`torch.Tensor` of shape `[B, H_kv, q, D]`): their values.
+        length (`int`): cached positions before the new tokens.
+        history_end (`torch.Tensor` of shape `[B, q]`, integer dtype): per row and query, the end of the stretch read
+            from the history (the engine's boundary `H(t)`, RIPE Eq. 9); from there on the window is read.
+        sink_key (`torch.Tensor` of shape `[B, H_kv, S', D]`, *optional*): own keys of positions `[0, S')`,
+            `S' = min(history_start, length)`. None when `S' == 0`.
+        sink_value (`torch.Tensor` of shape `[B, H_kv, S', D]`, *optional*): their values.
+        history_start (`int`, *optional*, defaults to 0): `S`, the first history position (the plan's sink size).
+        history_key (`QuantizedKeys` or `torch.Tensor` `[B, H_kv, T_hist, D]`, *optional*): keys of positions
+            `[history_start, history_start + T_hist)`: codes (per channel over pages of `group_size` tokens, the
+            first page starting at `history_start`) or a full-precision plane. None when nothing is read from history.
+        history_value (`QuantizedValues` or `torch.Tensor` `[B, H_kv, T_hist, D]`, *optional*): values of the same
+            positions, of the same kind (codes with codes, a plane with a plane); INT4 codes carry the `hi`/`lo` planes.
+        window_start (`int`, *optional*, defaults to `length`): first position of the window.
+        window_key (`torch.Tensor` of shape `[B, H_kv, length - window_start, D]`, *optional*): own keys of positions
+            `[window_start, length)`. None when the window is empty.
+        window_value (`torch.Tensor` of shape `[B, H_kv, length - window_start, D]`, *optional*): their values.
+        key_valid (`torch.BoolTensor` of shape `[B, >= length + q]`, *optional*): True where the position holds a
+            real token; None when every position is real.
+    """
+
+    new_key: Tensor
+    new_value: Tensor
+    length: int
+    history_end: Tensor
+    sink_key: Tensor | None = None
+    sink_value: Tensor | None = None
+    history_start: int = 0
+    history_key: QuantizedKeys | Tensor | None = None
+    history_value: QuantizedValues | Tensor | None = None
+    window_start: int | None = None
+    window_key: Tensor | None = None
+    window_value: Tensor | None = None
+    key_valid: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.new_key, Tensor) or self.new_key.ndim != 4:
+            raise ValueError(f"`new_key` must be a [B, H_kv, q, D] tensor, got {getattr(self.new_key, 'shape', None)}")
+        ref = self.new_key
+        _check_kv_tensor(self.new_value, "new_value", ref, ref.shape[2])
+        for name in ("length", "history_start"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
+        if self.window_start is None:
+            object.__setattr__(self, "window_start", self.length)
+        if not self.history_start <= self.window_start <= self.length and not (
+            self.length <= self.history_start and self.window_start == self.length
+        ):
+            raise ValueError(
+                f"need `history_start` ({self.history_start}) <= `window_start` ({self.window_start}) <= `length` "
+                f"({self.length})"
+            )
+        sink_len = min(self.history_start, self.length)
+        if (self.sink_key is None) != (self.sink_value is None):
+            raise ValueError("`sink_key` and `sink_value` must both be given or both be None")
+        if self.sink_key is None:
+            if sink_len:
+                raise ValueError(f"the sink holds positions [0, {sink_len}): `sink_key`/`sink_value` are needed")
+        else:
+            _check_kv_tensor(self.sink_key, "sink_key", ref, sink_len)
+            _check_kv_tensor(self.sink_value, "sink_value", ref, sink_len)
+        window_len = self.length - self.window_start
+        if (self.window_key is None) != (self.window_value is None):
+            raise ValueError("`window_key` and `window_value` must both be given or both be None")
+        if self.window_key is None:
+            if window_len:
+                raise ValueError(f"the window holds {window_len} positions: `window_key`/`window_value` are needed")
+        else:
+            _check_kv_tensor(self.window_key, "window_key", ref, window_len)
+            _check_kv_tensor(self.window_value, "window_value", ref, window_len)
+        hk, hv = self.history_key, self.history_value
+        if (hk is None) != (hv is None):
+            raise ValueError("`history_key` and `history_value` must both be given or both be None")
+        if isinstance(hk, QuantizedKeys) or isinstance(hv, QuantizedValues):
+            if not (isinstance(hk, QuantizedKeys) and isinstance(hv, QuantizedValues)):
+                raise TypeError(
+                    "coded history needs `history_key` as QuantizedKeys and `history_value` as QuantizedValues, got "
+                    f"{type(hk).__name__} and {type(hv).__name__}"
+                )
+            if hk.num_tokens != hv.num_tokens or hk.nbits != hv.nbits:
+                raise ValueError(
+                    f"history keys and values must hold the same tokens and bits, got {hk.num_tokens} / {hk.nbits} "
+                    f"and {hv.num_tokens} / {hv.nbits}"
+                )
+            if hk.codes.shape[:2] != ref.shape[:2] or hk.head_dim != ref.shape[3]:
+                raise ValueError(
+                    f"history codes must be for [B, H_kv] = {tuple(ref.shape[:2])} and D = {ref.shape[3]}, got "
+                    f"{tuple(hk.codes.shape[:2])} and D = {hk.head_dim}"
+                )
+        elif hk is not None:
+            _check_kv_tensor(hk, "history_key", ref)
+            _check_kv_tensor(hv, "history_value", ref, hk.shape[2])
+        b, q = ref.shape[0], ref.shape[2]
+        he = self.history_end
+        if not isinstance(he, Tensor) or he.dtype.is_floating_point or he.dtype == torch.bool:
+            raise TypeError(f"`history_end` must be an integer tensor of shape [B, q] = [{b}, {q}], got {he!r}")
+        if tuple(he.shape) != (b, q):
+            raise ValueError(f"`history_end` must have shape [B, q] = [{b}, {q}], got {tuple(he.shape)}")
+        kv = self.key_valid
+        if kv is not None and (
+            not isinstance(kv, Tensor)
+            or kv.dtype != torch.bool
+            or kv.ndim != 2
+            or kv.shape[0] != b
+            or kv.shape[1] < self.length + q
+        ):
+            raise ValueError(
+                f"`key_valid` must be a bool tensor of shape [B, >= length + q] = [{b}, >= {self.length + q}], got "
+                f"{getattr(kv, 'dtype', type(kv).__name__)} {tuple(getattr(kv, 'shape', ()))}"
+            )
+
+    # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def batch_size(self) -> int:
+        return self.new_key.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.new_key.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.new_key.shape[3]
+
+    @property
+    def query_length(self) -> int:
+        return self.new_key.shape[2]
+
+    @property
+    def sink_length(self) -> int:
+        return 0 if self.sink_key is None else self.sink_key.shape[2]
+
+    @property
+    def history_length(self) -> int:
+        """Positions the history holds (`T_hist`); queries read a prefix of them."""
+        if self.history_key is None:
+            return 0
+        if isinstance(self.history_key, QuantizedKeys):
+            return self.history_key.num_tokens
+        return self.history_key.shape[2]
+
+    @property
+    def is_coded(self) -> bool:
+        """True when the history is codes (INT4 / INT2), False for a full-precision plane or no history."""
+        return isinstance(self.history_key, QuantizedKeys)
+
+    @property
+    def history_nbits(self) -> int | None:
+        """4 or 2 for coded history, None otherwise."""
+        return self.history_key.nbits if isinstance(self.history_key, QuantizedKeys) else None
+
+    @property
+    def page_size(self) -> int | None:
+        """Tokens per key page of coded history (also the V-precision page), None otherwise."""
+        return self.history_key.group_size if isinstance(self.history_key, QuantizedKeys) else None

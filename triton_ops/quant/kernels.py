@@ -1,0 +1,170 @@
+"""Triton kernels of the KIVI codecs (`@triton.jit` only; launchers and validation live in `ops.py`).
+
+They reproduce `naive.py` bit for bit (see README "Contract for kernels"): fp32 min/max, IEEE divisions
+(`tl.math.div_rn`), round-to-nearest-even casts to fp16, round-half-even codes. The rounding of the codes uses the
+fp32 "magic number" `(q + 1.5 * 2**23) - 1.5 * 2**23`, which is round-half-even for `|q| < 2**22`; `q` is clamped to
+`[-1, qmax + 1]` first (clamping there and after rounding gives the same code), and the interpreter has no `rint`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+
+
+@triton.jit
+def _encode(x, s32, z32, QMAX: tl.constexpr):
+    """`clamp(round_half_even((x - z) / s), 0, qmax)` with `s == 0` and NaN giving 0, as int32 (naive `_encode`)."""
+    num = x - z32
+    den = tl.broadcast_to(s32, num.shape)  # div_rn does not broadcast
+    q = tl.math.div_rn(num, den)
+    q = tl.where(den == 0.0, 0.0, q)
+    q = tl.where(q != q, 0.0, q)
+    q = tl.minimum(tl.maximum(q, -1.0), QMAX + 1.0)
+    q = (q + _RNE_MAGIC) - _RNE_MAGIC
+    q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+    return q.to(tl.int32)
+
+
+@triton.jit
+def _affine_params(mn, mx, QMAX: tl.constexpr):
+    """fp32 group min/max -> fp16 scale and zero (`-0.0` stored as `+0.0`), as naive `_affine_params`."""
+    scale = tl.math.div_rn(mx - mn, tl.full(mx.shape, QMAX, tl.float32)).to(tl.float16)
+    zero = mn.to(tl.float16)
+    scale = tl.where(scale == 0.0, 0.0, scale).to(tl.float16)
+    zero = tl.where(zero == 0.0, 0.0, zero).to(tl.float16)
+    return scale, zero
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quantize_keys_fwd_kernel(
+    x_ptr,
+    valid_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    H,
+    T,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    stride_vb,
+    stride_vt,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    stride_sb,
+    stride_sh,
+    stride_sg,
+    D: tl.constexpr,
+    NBITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_VALID: tl.constexpr,
+):
+    # one program per (page, b * h): per-channel min/max over the page's (valid) tokens
+    i_g, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    PER_BYTE: tl.constexpr = 8 // NBITS
+    QMAX: tl.constexpr = 2**NBITS - 1
+    o_t = i_g * GROUP + tl.arange(0, BLOCK_G)
+    m_t = tl.arange(0, BLOCK_G) < GROUP
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < D // PER_BYTE
+    m_x = m_t[:, None] & m_c[None, :]
+    if USE_VALID:
+        b_valid = tl.load(valid_ptr + i_b * stride_vb + o_t * stride_vt, mask=m_t, other=0) != 0  # [BG]
+        m_use = m_x & b_valid[:, None]
+        any_valid = tl.max(b_valid.to(tl.int32), axis=0) > 0
+    else:
+        m_use = m_x
+    p_x = x_ptr + i_b * stride_xb + i_h * stride_xh + o_t[:, None] * stride_xt
+    b_packed = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.int32)
+    for j in tl.static_range(PER_BYTE):
+        o_d = o_c * PER_BYTE + j
+        b_x = tl.load(p_x + o_d[None, :] * stride_xd, mask=m_x, other=0.0).to(tl.float32)  # [BG, BC]
+        b_mn = tl.min(tl.where(m_use, b_x, float("inf")), axis=0)  # [BC]
+        b_mx = tl.max(tl.where(m_use, b_x, float("-inf")), axis=0)
+        if USE_VALID:
+            b_mn = tl.where(any_valid, b_mn, 0.0)
+            b_mx = tl.where(any_valid, b_mx, 0.0)
+        b_s, b_z = _affine_params(b_mn, b_mx, QMAX)
+        o_s = i_b * stride_sb + i_h * stride_sh + i_g * stride_sg + o_d
+        tl.store(scale_ptr + o_s, b_s, mask=m_c)
+        tl.store(zero_ptr + o_s, b_z, mask=m_c)
+        b_q = _encode(b_x, b_s.to(tl.float32)[None, :], b_z.to(tl.float32)[None, :], QMAX)
+        b_packed = b_packed | (b_q << (NBITS * j))
+    p_c = codes_ptr + i_b * stride_cb + i_h * stride_ch + o_t[:, None] * stride_ct + o_c[None, :]
+    tl.store(p_c, b_packed.to(tl.uint8), mask=m_x)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quantize_values_fwd_kernel(
+    x_ptr,
+    hi_ptr,
+    lo_ptr,
+    scale_ptr,
+    zero_ptr,
+    H,
+    T,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    D: tl.constexpr,
+    NBITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one program per (token block, b * h); a group is GROUP consecutive channels of one token, held as a
+    # [BT, NG, GROUP // 4] tile per 2-bit lane j (channel g * GROUP + 4 * k + j, packed column g * GROUP // 4 + k)
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    QMAX: tl.constexpr = 2**NBITS - 1
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_g = tl.arange(0, BLOCK_NG)
+    o_k = tl.arange(0, BLOCK_K)
+    m_x = (o_t < T)[:, None, None] & (o_g < D // GROUP)[None, :, None] & (o_k < GROUP // 4)[None, None, :]
+    o_col = o_g[None, :, None] * (GROUP // 4) + o_k[None, None, :]  # [1, NG, K] packed column
+    p_x = x_ptr + i_b * stride_xb + i_h * stride_xh + o_t[:, None, None] * stride_xt
+    b_mn = tl.full([BLOCK_T, BLOCK_NG], float("inf"), dtype=tl.float32)
+    b_mx = tl.full([BLOCK_T, BLOCK_NG], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(4):
+        b_x = tl.load(p_x + (o_col * 4 + j) * stride_xd, mask=m_x, other=0.0).to(tl.float32)  # [BT, NG, K]
+        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_x, b_x, float("inf")), axis=2))
+        b_mx = tl.maximum(b_mx, tl.max(tl.where(m_x, b_x, float("-inf")), axis=2))
+    m_s = (o_t < T)[:, None] & (o_g < D // GROUP)[None, :]
+    b_mn = tl.where(m_s, b_mn, 0.0)
+    b_mx = tl.where(m_s, b_mx, 0.0)
+    b_s, b_z = _affine_params(b_mn, b_mx, QMAX)  # [BT, NG]
+    o_s = i_b * stride_sb + i_h * stride_sh + o_t[:, None] * stride_st + o_g[None, :]
+    tl.store(scale_ptr + o_s, b_s, mask=m_s)
+    tl.store(zero_ptr + o_s, b_z, mask=m_s)
+    b_s32 = b_s.to(tl.float32)[:, :, None]
+    b_z32 = b_z.to(tl.float32)[:, :, None]
+    b_hi = tl.zeros([BLOCK_T, BLOCK_NG, BLOCK_K], dtype=tl.int32)
+    b_lo = tl.zeros([BLOCK_T, BLOCK_NG, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(4):
+        b_x = tl.load(p_x + (o_col * 4 + j) * stride_xd, mask=m_x, other=0.0).to(tl.float32)
+        b_q = _encode(b_x, b_s32, b_z32, QMAX)
+        if NBITS == 4:
+            b_hi = b_hi | ((b_q >> 2) << (2 * j))
+            b_lo = b_lo | ((b_q & 3) << (2 * j))
+        else:
+            b_hi = b_hi | (b_q << (2 * j))
+    o_c = i_b * stride_cb + i_h * stride_ch + o_t[:, None, None] * stride_ct + o_col
+    tl.store(hi_ptr + o_c, b_hi.to(tl.uint8), mask=m_x)
+    if NBITS == 4:
+        tl.store(lo_ptr + o_c, b_lo.to(tl.uint8), mask=m_x)
