@@ -10,7 +10,10 @@ Two entry points:
   decoded tensors, so it is no longer the cache's read path (cells hand their stored codes to
   `triton_ops.coded_attention`); it stays as an independent statement of the same read for tests.
 
-Both take `key_valid` (bool `[B, T]`, True for real tokens, None when every position is real) so left-padded
+`eager_attention` is `dense_attention` written out (scores, mask, softmax in fp32, weights times values) and also
+returns the weights; models use it only when `output_attentions=True`, on keys and values held at full precision.
+
+All take `key_valid` (bool `[B, T]`, True for real tokens, None when every position is real) so left-padded
 batches are exact: a padded key is never attended and a padded query attends to itself only (its output is
 never read by a real token).
 """
@@ -36,6 +39,7 @@ __all__ = [
     "VPrecision",
     "causal_padding_mask",
     "dense_attention",
+    "eager_attention",
     "segmented_attention",
 ]
 
@@ -135,6 +139,37 @@ def dense_attention(
         mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total])
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
+
+
+def eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    key_valid: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dense_attention` computed step by step (softmax in fp32, or fp64 for fp64 inputs), with its weights.
+
+    Args: as `dense_attention`.
+
+    Returns:
+        `(output, weights)`: `[B, H_q, q, D]` and `[B, H_q, q, T]`, both in the dtype of `query`; masked positions
+        have weight exactly 0 and the output is `weights @ value` (so gradients reach the weights).
+    """
+    q_len, total = query.shape[2], key.shape[2]
+    past = total - q_len
+    if past < 0:
+        raise ValueError(f"`key` holds {total} positions but `query` has {q_len} new tokens")
+    acc = torch.promote_types(query.dtype, torch.float32)
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    scores = torch.matmul(query.to(acc), key.to(acc).transpose(-1, -2)) * scaling
+    positions = torch.arange(total, device=query.device)
+    valid = key_valid[:, :total].to(query.device) if key_valid is not None else None
+    mask = causal_padding_mask(positions[past:], positions, valid)
+    weights = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    return torch.matmul(weights, value.to(acc)).to(query.dtype), weights.to(query.dtype)
 
 
 @dataclass

@@ -20,14 +20,45 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 __all__ = ["Cell", "LoopLayout", "Stage"]
 
 Stage = Literal["prelude", "core", "coda"]
 _STAGES = ("prelude", "core", "coda")
 
+_T = TypeVar("_T")
 
+
+def equal_assignment_allowed(cls: type[_T]) -> type[_T]:
+    """Keep a frozen dataclass frozen, but let assigning a field the value it already holds pass as a no-op.
+
+    Generic tensor walkers re-assign every attribute of the objects they visit (transformers' exporters map tensors
+    in place over `vars(obj)` of a cache passed to `torch.export`); a real change still raises `FrozenInstanceError`.
+    """
+    frozen_setattr = cls.__setattr__
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        current = self.__dict__.get(name, _MISSING)
+        if current is value or (type(current) is type(value) and _equal(current, value)):
+            return
+        frozen_setattr(self, name, value)
+
+    cls.__setattr__ = __setattr__  # type: ignore[assignment,method-assign]
+    return cls
+
+
+_MISSING = object()
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # e.g. a tensor of several elements
+        return False
+
+
+@equal_assignment_allowed
 @dataclass(frozen=True, order=True)
 class Cell:
     """One (stage, loop, layer) cell. `loop` is 0 for prelude and coda cells, which run once."""
@@ -63,6 +94,7 @@ class Cell:
         raise ValueError(f"cannot parse cell name {name!r}; expected e.g. 'loop2.layer5' or 'coda.layer0'")
 
 
+@equal_assignment_allowed
 @dataclass(frozen=True)
 class LoopLayout:
     """Shape of a looped model's key/value cache.

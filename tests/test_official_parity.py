@@ -73,7 +73,7 @@ def test_huginn_matches_official_forward():
     torch.testing.assert_close(out.latent_states, g["c_latent_states"], **TOL)
     out = model(ids, num_steps=3, input_states=g["d_initial_state"])
     torch.testing.assert_close(out.logits, g["d_logits_steps3_init1_seed123"], **TOL)
-    loss = model(ids, num_steps=3, init_scale=0.0, labels=ids).loss
+    loss = model(ids, num_steps=3, init_scale=0.0, labels=ids, unshifted_loss=True).loss
     torch.testing.assert_close(loss, g["f_loss_labels_eq_input_ids"].reshape(()), **TOL)
 
 

@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.plan import CachePlan
+from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
 from hf_loopcache.layout import Cell, LoopLayout
 
@@ -72,6 +73,10 @@ class LoopCache(Cache):
     """
 
     is_loop_cache = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_loop_cache_pytree(cls)  # every preset can be a `torch.export` input and output
 
     def __init__(
         self,
@@ -304,3 +309,6 @@ class LoopCache(Cache):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layout.describe()}; {self.plan.summary()}; length {self.get_seq_length()})"
+
+
+register_loop_cache_pytree(LoopCache)

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hf_loopcache.layout import Cell, LoopLayout
+from hf_loopcache.layout import Cell, LoopLayout, equal_assignment_allowed
 from triton_ops.quant import kivi_bytes_per_token
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ def window_boundary(position: int, *, sink: int, window: int, page_size: int) ->
     return sink + page_size * (max(0, position - sink - window) // page_size)
 
 
+@equal_assignment_allowed
 @dataclass(frozen=True)
 class CachePlan:
     """A storage option per cell, plus sink, window and page sizes.

@@ -12,12 +12,19 @@ from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 
 from hf_loopcache._compat import CACHE_KWARG
-from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention
+from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
 
-__all__ = ["LoopForward", "LoopGenerationMixin", "RMSNorm", "check_num_loops"]
+__all__ = [
+    "LoopForward",
+    "LoopGenerationMixin",
+    "OutputFlags",
+    "RMSNorm",
+    "check_num_loops",
+    "default_cache",
+]
 
 
 class RMSNorm(nn.Module):
@@ -52,11 +59,16 @@ class LoopForward:
     `attend(slot, q, k, v)` is the one attention entry point of both models. With a `LoopAttentionCache` the cache
     computes attention over its own storage; with any other `transformers.Cache` the keys and values go through
     `update(k, v, flat_index)` and plain causal attention; without a cache, plain causal attention.
+
+    With `output_attentions`, every call computes its output with `eager_attention` and appends the softmax weights
+    `[B, H_q, q, T]` to `attentions`, from keys and values at full precision (the new ones, a foreign cache's, or a
+    loop cache cell's `cell_states` after its write); a loop-cache cell not stored at full precision raises.
     """
 
     cache: Any
     inputs: AttentionInputs
     layout: LoopLayout
+    attentions: list[torch.Tensor] | None = None
 
     @classmethod
     def begin(
@@ -71,6 +83,7 @@ class LoopForward:
         query_length: int,
         device: torch.device,
         scaling: float,
+        output_attentions: bool = False,
     ) -> tuple[LoopForward, torch.Tensor]:
         """Validate the cache, derive key validity and positions. Returns the state and `position_ids` `[B, q]`."""
         if cache is not None and not isinstance(cache, Cache):
@@ -97,7 +110,9 @@ class LoopForward:
                     f"input adds {query_length}; it must cover all of them"
                 )
             attention_mask = attention_mask[:, : past + query_length].to(device)
-            if not bool(attention_mask.all()):
+            # an all-ones mask is dropped so attention takes its unmasked fast path; a traced forward (torch.export,
+            # torch.compile) keeps the mask instead, since the test reads tensor data (the result is the same)
+            if torch.compiler.is_compiling() or not bool(attention_mask.all()):
                 key_valid = attention_mask.bool()
         if position_ids is None:
             if key_valid is not None:
@@ -106,15 +121,85 @@ class LoopForward:
                 position_ids = torch.arange(past, past + query_length, device=device)[None].expand(batch_size, -1)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(batch_size, -1)
-        return cls(cache, AttentionInputs(key_valid=key_valid, scaling=scaling), layout), position_ids
+        inputs = AttentionInputs(key_valid=key_valid, scaling=scaling)
+        return cls(cache, inputs, layout, [] if output_attentions else None), position_ids
 
     def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
+            if self.attentions is not None:
+                return self._eager(query, key, value)
             return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
         if getattr(self.cache, "is_loop_cache", False):
-            return self.cache.attend(slot, query, key, value, self.inputs)
+            out = self.cache.attend(slot, query, key, value, self.inputs)
+            if self.attentions is not None:
+                return self._eager(query, *_full_precision_states(self.cache, slot))
+            return out
         key, value = self.cache.update(key, value, self.layout.slot_to_flat(slot))
+        if self.attentions is not None:
+            return self._eager(query, key, value)
         return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+
+    def _eager(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out, weights = eager_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
+        cast("list", self.attentions).append(weights)
+        return out
+
+
+def _full_precision_states(cache: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of cell `slot` of a loop cache, after its write; raises unless the cell stores full precision."""
+    plan, layout = getattr(cache, "plan", None), getattr(cache, "layout", None)
+    option = plan.option(layout.cell(slot)) if plan is not None and layout is not None else None
+    if option != "bf16" or not hasattr(cache, "cell_states"):
+        where = f"cell {layout.cell(slot)} as {option!r}" if option is not None else "its cells in its own format"
+        raise ValueError(
+            f"`output_attentions=True` needs every attended key at full precision, but this {type(cache).__name__} "
+            f"stores {where}, so the attention weights it applies cannot be returned. Use `use_cache=False` or a "
+            f"`hf_loopcache.FullLoopCache` for attention maps."
+        )
+    return cache.cell_states(slot)
+
+
+def default_cache(model: Any, cache: Any, *, use_cache: bool | None, num_loops: int, labels: Any = None) -> Any:
+    """The cache a forward uses: the given one; or, with `use_cache`, a new `FullLoopCache` for `num_loops` loops.
+
+    `use_cache=False` drops any cache. When `use_cache` is not given it is `config.use_cache`, but then no cache is
+    built in training mode or when `labels` are passed (a loss needs none); `use_cache=True` always gets one.
+    """
+    explicit = use_cache is True
+    use_cache = model.config.use_cache if use_cache is None else use_cache
+    if not use_cache:
+        return None
+    if cache is not None:
+        return cache
+    if not explicit and (model.training or labels is not None):
+        return None
+    from hf_loopcache.cache import FullLoopCache  # the model layer only names the default; see DESIGN.md
+
+    return FullLoopCache(model, num_loops=max(model.loop_layout.num_loops, num_loops))
+
+
+@dataclass(frozen=True)
+class OutputFlags:
+    """What a forward returns beyond the logits: the call's flags, else the config's (transformers' convention)."""
+
+    attentions: bool
+    hidden_states: bool
+    return_dict: bool
+
+    @classmethod
+    def resolve(
+        cls, config: Any, output_attentions: bool | None, output_hidden_states: bool | None, return_dict: bool | None
+    ) -> OutputFlags:
+        pick = lambda given, name: bool(getattr(config, name, False) if given is None else given)  # noqa: E731
+        return cls(
+            pick(output_attentions, "output_attentions"),
+            pick(output_hidden_states, "output_hidden_states"),
+            pick(return_dict, "return_dict"),
+        )
+
+    def finish(self, output: Any) -> Any:
+        """The `ModelOutput`, or with `return_dict=False` its tuple (non-None fields in declaration order)."""
+        return output if self.return_dict else output.to_tuple()
 
 
 def _check_foreign_cache(cache: Cache, layout: LoopLayout) -> None:

@@ -8,6 +8,12 @@ adds a learned bias to queries and keys before an interleaved-pair ("complex-lik
 
 Cache slots: prelude `0..P-1`, core step `s` layer `j` at `P + n_core * s + j`, coda `-1, -2, ...` (see `LoopLayout`).
 
+As a transformers model: `hidden_states` has `1 + P + R * C + D` entries (the scaled embeddings, then every block
+call in execution order: prelude, core step by step, coda), `attentions` one map per block call, and the cache holds
+one layer per cell, `P + R * C + D` in all. There is no base model: the parts live under `transformer`, as in the
+official checkpoints (see the README's model section). `labels` follow transformers' convention (shifted inside),
+unlike the official code, whose unshifted loss is `unshifted_loss=True`.
+
 Differences from the official code, all deliberate: padding masks and per-row positions are honoured (the official
 forward ignores `attention_mask`); RoPE is computed for any position (the official buffer stops at `block_size`);
 a cache it does not know is never replaced; `test_time_noise` must be 0; in eval mode the initial state defaults to
@@ -28,7 +34,14 @@ from transformers.modeling_utils import PreTrainedModel
 
 from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
-from hf_loopcache.models._common import LoopForward, LoopGenerationMixin, RMSNorm, check_num_loops
+from hf_loopcache.models._common import (
+    LoopForward,
+    LoopGenerationMixin,
+    OutputFlags,
+    RMSNorm,
+    check_num_loops,
+    default_cache,
+)
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
 
 __all__ = ["HuginnCausalLMOutput", "HuginnForCausalLM", "HuginnPreTrainedModel"]
@@ -267,21 +280,29 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         num_steps: int | tuple[int, int] | torch.Tensor | None = None,
         past_key_values: Any = None,
         output_details: dict[str, bool] | None = None,
-        use_cache: bool = False,
+        use_cache: bool | None = None,
         cache_position: torch.Tensor | None = None,
         init_scale: float | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cache: Any = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        unshifted_loss: bool = False,
         **kwargs: Any,
-    ) -> HuginnCausalLMOutput:
+    ) -> HuginnCausalLMOutput | tuple:
         r"""
         Args:
             input_embeds / inputs_embeds (`torch.Tensor`, *optional*): token embeddings instead of `input_ids`
                 (scaled by `sqrt(n_embd)` like the official code does).
             input_states (`torch.Tensor` of shape `[B, T, n_embd]`, *optional*): the initial core state.
-            labels (`torch.LongTensor`, *optional*): targets aligned with the logits (NOT shifted inside, as in the
-                official code): the loss is `cross_entropy(logits, labels, ignore_index=-100)`.
+            labels (`torch.LongTensor`, *optional*): targets in transformers' convention: shifted inside (the logits
+                at position `t` are scored against `labels[t + 1]`), `-100` ignored, a pre-shifted `shift_labels=`
+                honoured. `log_ppl` is the same loss, detached.
+            unshifted_loss (`bool`, *optional*, defaults to False): the official code's loss instead:
+                `cross_entropy(logits, labels, ignore_index=-100)` with `labels` already aligned with the logits
+                (not shifted), so `labels=input_ids` scores each position against its own token.
             num_steps (`int` or `(int, int)`, *optional*): core steps; a pair is (steps without, with gradient);
                 defaults to `mean_recurrence` in eval mode and to the official random sampler in training mode.
             init_scale (`float`, *optional*): scale of the random initial state; 0 gives zeros. Defaults to
@@ -290,8 +311,21 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             output_details (`dict`, *optional*): official switches `return_logits`, `return_latents`, `return_head`.
             past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
             cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
+            use_cache (`bool`, *optional*): with `use_cache=True` (or `config.use_cache` outside training and without
+                `labels`) and no cache given, a `FullLoopCache` sized for the call's steps is built.
+            output_hidden_states (`bool`, *optional*): return `hidden_states`, `1 + P + R * C + D` tensors
+                `[B, q, n_embd]`: the embeddings (times `sqrt(n_embd)`), then the output of every block call in
+                execution order (prelude, core step 0 layers `0..C-1`, step 1, ..., coda). Only the last entry is
+                normalised (after `ln_f`, the state the head reads); the core's last entry is before `ln_f`.
+            output_attentions (`bool`, *optional*): return `attentions`, one `[B, H, q, T]` softmax map per block call
+                in the same order (computed eagerly; needs the attended keys at full precision).
+            return_dict (`bool`, *optional*): False returns a tuple (`loss`, `logits`, cache, `hidden_states`,
+                `attentions`, `log_ppl`, `latent_states`, leaving out those that are None). `output_details`'
+                `return_head` puts the final normed state, one tensor, in `hidden_states` unless `output_hidden_states`
+                asks for the tuple.
         """
         cache = cache_argument(past_key_values, cache)
+        flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
         details = {"return_logits": True, "return_latents": True, "return_head": False, **(output_details or {})}
         if details.get("return_stats"):
             raise ValueError("`output_details['return_stats']` is not supported by hf_loopcache's Huginn model")
@@ -307,8 +341,9 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         # RNG order of the official code: the initial state is drawn first, then the depth sampler runs
         x = input_states.clone() if input_states is not None else self.initialize_state(embeds, scale=init_scale)
         steps_no_grad, steps_with_grad = self._resolve_steps(num_steps)
-        if not use_cache:
-            cache = None
+        cache = default_cache(
+            self, cache, use_cache=use_cache, num_loops=steps_no_grad + steps_with_grad, labels=labels
+        )
         b, q_len = embeds.shape[:2]
         state, position_ids = LoopForward.begin(
             layout=self.loop_layout,
@@ -320,35 +355,47 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             query_length=q_len,
             device=embeds.device,
             scaling=self.config.head_dim**-0.5,
+            output_attentions=flags.attentions,
         )
         rope = _rope_angles(position_ids, self.config.head_dim, self.config.rope_base)
         n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
+        all_hidden: list[torch.Tensor] = [embeds]
         for i, block in enumerate(self._part("prelude")):
             embeds = block(embeds, rope, state, i)
+            all_hidden.append(embeds)
 
         for step in range(steps_no_grad + steps_with_grad):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_no_grad):
                 x = self._part("adapter")(torch.cat([x, embeds.to(x.device)], dim=-1))
                 for j, block in enumerate(self._part("core_block")):
                     x = block(x, rope, state, n_pre + n_core * step + j)
+                    all_hidden.append(x)
         x = self._part("ln_f")(x)
         latent_states = x.clone().detach()
         for c, block in enumerate(self._part("coda")):
             x = block(x, rope, state, -(c + 1))
+            all_hidden.append(x)
         x = self._part("ln_f")(x)
+        all_hidden[-1] = x
 
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         head_in = x[:, keep] if isinstance(keep, slice) else x.index_select(1, keep.to(x.device))
         logits = self.lm_head(head_in).float()
         loss = log_ppl = None
-        if labels is not None:
+        if labels is not None and unshifted_loss:
             loss = nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        elif labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if loss is not None:
             log_ppl = loss.clone().detach()
-        return HuginnCausalLMOutput(
+        hidden_states: Any = tuple(all_hidden) if flags.hidden_states else (x if details["return_head"] else None)
+        output = HuginnCausalLMOutput(
             loss=loss,
             log_ppl=log_ppl,
             logits=logits if details["return_logits"] else None,
             latent_states=latent_states if details["return_latents"] else None,
-            hidden_states=x if details["return_head"] else None,
+            hidden_states=hidden_states,
+            attentions=tuple(state.attentions) if state.attentions is not None else None,
             **{OUTPUT_CACHE_FIELD: cache},
         )
+        return flags.finish(output)

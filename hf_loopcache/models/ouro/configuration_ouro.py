@@ -118,6 +118,8 @@ class OuroConfig(PretrainedConfig):
             )
         if self.use_sliding_window or any(t != "full_attention" for t in self.layer_types):
             raise ValueError(
-                "sliding-window layers are not supported: `use_sliding_window` must be False and every `layer_types` "
+                "sliding-window layers are not supported (hf_loopcache's looped models attend over the full context in "
+                "every (loop, layer) cell; see the README's native-models section): `use_sliding_window` must be "
+                "False and every `layer_types` "
                 f"entry 'full_attention', got use_sliding_window={self.use_sliding_window}, layer_types={self.layer_types}"
             )

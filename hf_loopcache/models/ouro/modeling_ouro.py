@@ -8,6 +8,10 @@ probability reaches `exit_threshold` (per token), else (with `use_weighted_exit`
 loops' logits, else from the last loop. With `labels`, the loss is taken on the exit-weighted expected logits.
 
 Cache slot of loop `r`, layer `l`: `r * num_hidden_layers + l` (see `hf_loopcache.LoopLayout`).
+
+As a transformers model: `hidden_states` has `1 + R * L` entries (the embedding output, then every layer call of the
+unrolled loops in execution order), `attentions` one `[B, H, q, T]` map per layer call, and the cache holds one
+layer per (loop, layer) cell, `R * L` in all (see the README's model section).
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from transformers.modeling_utils import PreTrainedModel
 
 from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
-from hf_loopcache.models._common import LoopForward, LoopGenerationMixin, RMSNorm, check_num_loops
+from hf_loopcache.models._common import (
+    LoopForward,
+    LoopGenerationMixin,
+    OutputFlags,
+    RMSNorm,
+    check_num_loops,
+    default_cache,
+)
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
 
 __all__ = ["OuroForCausalLM", "OuroModel", "OuroModelOutput", "OuroPreTrainedModel"]
@@ -174,23 +185,32 @@ class OuroModel(OuroPreTrainedModel):
         use_cache: bool | None = None,
         num_loops: int | None = None,
         use_early_exit_gate: bool = True,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         cache: Any = None,
         cache_position: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> OuroModelOutput:
+    ) -> OuroModelOutput | tuple:
         r"""
         Args:
             num_loops (`int`, *optional*): loops to run; defaults to `config.total_ut_steps`. A draft runs fewer.
-            past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted.
+            past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted. With
+                `use_cache=True` (or `config.use_cache` outside training) and none given, a `FullLoopCache` is built.
+            output_hidden_states (`bool`, *optional*): return `hidden_states`, `1 + R * L` tensors `[B, q, hidden]`:
+                the embedding output, then the output of every layer call in execution order (loop 0 layers
+                `0..L-1`, loop 1, ...). The entry that ends a loop is taken after the model norm (the state the next
+                loop and the exit gate read); the other entries are raw layer outputs.
+            output_attentions (`bool`, *optional*): return `attentions`, one `[B, H, q, T]` softmax map per layer call
+                in the same order (computed eagerly; needs the attended keys at full precision).
             cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
         """
         cache = cache_argument(past_key_values, cache)
+        flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         num_loops = check_num_loops(self.config.total_ut_steps if num_loops is None else num_loops, "num_loops")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if not use_cache:
-            cache = None
+        cache = default_cache(self, cache, use_cache=use_cache, num_loops=num_loops)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, q_len = hidden.shape[:2]
         state, position_ids = LoopForward.begin(
@@ -203,24 +223,31 @@ class OuroModel(OuroPreTrainedModel):
             query_length=q_len,
             device=hidden.device,
             scaling=self.config.head_dim**-0.5,
+            output_attentions=flags.attentions,
         )
         rope = self.rotary_emb(hidden, position_ids)
         n_layers = self.config.num_hidden_layers
+        all_hidden: list[torch.Tensor] = [hidden]
         loop_hidden: list[torch.Tensor] = []
         gate_logits: list[torch.Tensor] = []
         for loop in range(num_loops):
             for layer_idx, layer in enumerate(self.layers):
                 hidden = layer(hidden, rope, state, loop * n_layers + layer_idx)
+                all_hidden.append(hidden)
             hidden = self.norm(hidden)
+            all_hidden[-1] = hidden
             loop_hidden.append(hidden)
             if use_early_exit_gate:
                 gate_logits.append(self.early_exit_gate(hidden))
-        return OuroModelOutput(
+        output = OuroModelOutput(
             last_hidden_state=hidden,
+            hidden_states=tuple(all_hidden) if flags.hidden_states else None,
+            attentions=tuple(state.attentions) if state.attentions is not None else None,
             loop_hidden_states=tuple(loop_hidden),
             exit_gate_logits=tuple(gate_logits) if use_early_exit_gate else None,
             **{OUTPUT_CACHE_FIELD: cache},
         )
+        return flags.finish(output)
 
 
 def exit_distribution(gate_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -274,11 +301,13 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         use_weighted_exit: bool | None = False,
         exit_at_step: int | None = None,
         exit_threshold: float | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         cache: Any = None,
         cache_position: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | tuple:
         r"""
         Args:
             num_loops (`int`, *optional*): loops to run (default `config.total_ut_steps`); only these loops' cells
@@ -289,9 +318,18 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
                 reaches it; defaults to `config.early_exit_threshold`. Ignored when `exit_at_step` is set.
             use_weighted_exit (`bool`, *optional*): without a step or threshold, average the loops' logits by the
                 exit distribution.
-            output_hidden_states (`bool`, *optional*): return the per-loop normed hidden states as `hidden_states`.
+            labels (`torch.LongTensor`, *optional*): targets in transformers' convention (shifted inside; `-100` is
+                ignored; a pre-shifted `shift_labels=` is honoured); the loss is taken on the exit-weighted logits.
+            output_hidden_states, output_attentions, past_key_values / cache, use_cache: as in `OuroModel.forward`
+                (`hidden_states` has `1 + R * L` entries; the per-loop normed states are in `OuroModel`'s
+                `loop_hidden_states`). No cache is built when `labels` are given unless `use_cache=True`.
+            return_dict (`bool`, *optional*): False returns a tuple (`loss`, `logits`, cache, `hidden_states`,
+                `attentions`, leaving out those that are None).
         """
         cache = cache_argument(past_key_values, cache)
+        flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
+        if labels is not None and use_cache is None and cache is None:
+            use_cache = False  # a loss needs no new cache (a cache passed in is still used)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -301,6 +339,9 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             use_cache=use_cache,
             num_loops=num_loops,
             use_early_exit_gate=use_early_exit_gate,
+            output_attentions=flags.attentions,
+            output_hidden_states=flags.hidden_states,
+            return_dict=True,
         )
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
 
@@ -341,9 +382,11 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             logits = expected_logits()
         else:
             logits = self.lm_head(loop_hidden[-1])
-        return CausalLMOutputWithPast(
+        output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            hidden_states=outputs.loop_hidden_states if output_hidden_states else None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             **{OUTPUT_CACHE_FIELD: getattr(outputs, OUTPUT_CACHE_FIELD)},
         )
+        return flags.finish(output)
