@@ -78,6 +78,8 @@ class LoopCache(Cache):
         model_layout = resolve_layout(model_or_layout)
         if plan is None:
             plan = CachePlan.full(resolve_layout(model_layout, num_loops))
+        elif not isinstance(plan, CachePlan):
+            raise TypeError(f"`plan` must be a CachePlan or None (every cell full), got {type(plan).__name__}")
         elif not plan.layout.same_architecture(model_layout):
             raise ValueError(f"the plan is for {plan.layout.describe()}, but the model is {model_layout.describe()}")
         if num_loops is not None and num_loops != plan.layout.num_loops:
