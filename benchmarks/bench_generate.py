@@ -44,7 +44,7 @@ def run_one(
 
     def generate(tokens: int) -> tuple[torch.Tensor, Any]:
         cache = CACHES[cache_name](model)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
+        out = model.generate(ids, cache=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
         return out, cache
 
     try:

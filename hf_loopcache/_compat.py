@@ -5,7 +5,7 @@
 | cache keyword of forward / generate   | `past_key_values`    | `cache` (`past_key_values` deprecated) |
 | cache field of `ModelOutput`s         | `past_key_values`    | `cache`                      |
 | `Cache.get_max_cache_shape`           | present              | removed (`get_max_length`)   |
-| `generate(cache=...)`                 | unknown: forwarded to `forward` beside a default `past_key_values` | the keyword |
+| `generate(cache=...)`                 | unknown: forwarded to `forward` beside a default `past_key_values` | the keyword (`past_key_values=` deprecated) |
 
 Everything else the package touches (`Cache(layers=...)`, `CacheLayerMixin`, `get_mask_sizes(query_length, layer_idx)`,
 `crop(tokens_to_remove <= 0)`, `transformers.initialization`) is the same in the whole supported range.
@@ -46,14 +46,15 @@ def generate_cache_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`generate`'s keyword arguments with the cache under the name this release's `generate` knows.
 
     Before 5.24 `generate` does not know `cache=`: it would forward it to `forward` untouched and build its own
-    default cache beside it. Here `cache=` is renamed to `past_key_values=`. From 5.24 on, `past_key_values=` is left
-    as given: transformers renames it itself (with its own deprecation warning).
+    default cache beside it. From 5.24 on, `generate` renames `past_key_values=` itself but warns that the name is
+    deprecated. The native looped models take both names on every supported release (as their `forward` does), so
+    the other name is renamed here, without a warning; both at once is an error.
     """
-    if CACHE_KWARG == "cache" or kwargs.get(_OTHER_CACHE_KWARG) is None:
+    if kwargs.get(_OTHER_CACHE_KWARG) is None:
         return kwargs
     kwargs = dict(kwargs)
     cache = kwargs.pop(_OTHER_CACHE_KWARG)
-    kwargs[CACHE_KWARG] = cache_argument(kwargs.get(CACHE_KWARG), cache)
+    kwargs[CACHE_KWARG] = cache_argument(cache, kwargs.get(CACHE_KWARG))
     return kwargs
 
 

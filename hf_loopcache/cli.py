@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from hf_loopcache._compat import CACHE_KWARG
 from hf_loopcache.fixtures import FIXTURES
 
 __all__ = ["main"]
@@ -81,7 +80,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             do_sample=False,
             repetition_penalty=args.repetition_penalty,
             pad_token_id=tokenizer.pad_token_id,
-            **{CACHE_KWARG: cache},
+            cache=cache,
             **_forward_kwargs(model),
         )
     elapsed = time.perf_counter() - start

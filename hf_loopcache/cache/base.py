@@ -58,7 +58,7 @@ class LoopCache(Cache):
     >>> from hf_loopcache import LoopCache, CachePlan, load_fixture
     >>> model, tok = load_fixture("tiny-ouro")
     >>> cache = LoopCache(model, CachePlan.ripe(model.loop_layout, window=64))
-    >>> out = model.generate(**tok("The cat", return_tensors="pt"), past_key_values=cache, max_new_tokens=8)
+    >>> out = model.generate(**tok("The cat", return_tensors="pt"), cache=cache, max_new_tokens=8)
     >>> cache.layout.cell(5)   # slot 5 of Ouro = loop 0, layer 5
     Cell(stage='core', loop=0, layer=5)
     ```

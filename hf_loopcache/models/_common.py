@@ -271,7 +271,7 @@ class LoopGenerationMixin(GenerationMixin):
             raise ValueError(
                 f"`cache_implementation={generation_config.cache_implementation!r}` builds a cache with one layer per "
                 f"model layer, which cannot hold a looped model's cells. Pass a cache instead, e.g. "
-                f"`past_key_values=hf_loopcache.FullLoopCache(model)` or `hf_loopcache.RIPECache(model, window=64)`."
+                f"`cache=hf_loopcache.FullLoopCache(model)` or `hf_loopcache.RIPECache(model, window=64)`."
             )
         return super()._prepare_cache_for_generation(  # type: ignore[misc]  # the mixin is only used on models
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
