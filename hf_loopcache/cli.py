@@ -202,8 +202,10 @@ def _demo_prompt(args: argparse.Namespace, tokenizer: Any) -> tuple[list[int], s
         if not args.prompt:
             raise UsageError("--prompt", "must not be empty")
         return tokenizer(prefix + args.prompt, verbose=False)["input_ids"], repr(args.prompt)
-    from hf_loopcache.fixtures import heldout_documents
+    from hf_loopcache.fixtures import heldout_documents, list_fixtures
 
+    if not list_fixtures() and not is_fixture:
+        raise UsageError("--prompt", "is required: the default prompt is held-out text of hf-loopcache-fixtures")
     text = heldout_documents()[0]
     ids = tokenizer(prefix + text, verbose=False)["input_ids"][: args.prompt_tokens]
     return ids, f"the first {len(ids)} tokens of a held-out document ({text.splitlines()[0]!r} ...)"
