@@ -25,6 +25,7 @@ from hf_loopcache.fixtures import FIXTURES
 
 __all__ = ["UsageError", "main"]
 
+CACHE_CHOICES = ("full", "ripe", "deepest", "kivi4", "kivi2", "kivi4-share", "hand")
 DTYPES = ("float32", "bfloat16", "float16")
 PROFILE_OPTIONS = ("int4", "int2", "share")
 PLAN_OPTIONS = ("bf16", "int4", "int2", "share")
@@ -98,8 +99,6 @@ def _writable_parent(path: str, option: str) -> None:
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise UsageError(option, f"cannot write {path!r}: folder {str(parent)!r} does not exist")
-
-CACHE_CHOICES = ("full", "ripe", "deepest", "kivi4", "kivi2", "kivi4-share", "hand")
 
 
 def _fixture_hint(name: str) -> str:
