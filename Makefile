@@ -1,7 +1,7 @@
 .PHONY: install test test-gpu checkstyle bench demo
 
 install:
-	python -m pip install "torch==2.13.0" -e ".[dev]"
+	python -m pip install "torch==2.13.0" -e ./hf-loopcache-fixtures -e ".[dev]"
 
 demo:
 	python -m hf_loopcache demo

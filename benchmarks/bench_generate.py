@@ -138,7 +138,7 @@ def run_one(
                                  **kwargs, **gen)
             return out.sequences, out.past_key_values
         cache = CACHES[cache_name](model)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
+        out = model.generate(ids, cache=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
         return out, cache
 
     try:

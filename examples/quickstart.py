@@ -10,7 +10,6 @@ import argparse
 import torch
 
 from hf_loopcache import FullLoopCache, LoopKVCache, RIPECache, load_fixture
-from hf_loopcache._compat import CACHE_KWARG
 from hf_loopcache.fixtures import heldout_documents
 
 
@@ -38,7 +37,7 @@ def main() -> None:
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
-                **{CACHE_KWARG: cache},
+                cache=cache,
                 **extra,
             )
         new = out[0, inputs["input_ids"].shape[1] :]

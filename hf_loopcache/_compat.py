@@ -5,6 +5,7 @@
 | cache keyword of forward / generate   | `past_key_values`    | `cache` (`past_key_values` deprecated) |
 | cache field of `ModelOutput`s         | `past_key_values`    | `cache`                      |
 | `Cache.get_max_cache_shape`           | present              | removed (`get_max_length`)   |
+| `generate(cache=...)`                 | unknown: forwarded to `forward` beside a default `past_key_values` | the keyword (`past_key_values=` deprecated) |
 
 Everything else the package touches (`Cache(layers=...)`, `CacheLayerMixin`, `get_mask_sizes(query_length, layer_idx)`,
 `crop(tokens_to_remove <= 0)`, `transformers.initialization`) is the same in the whole supported range.
@@ -18,7 +19,7 @@ from typing import Any
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-__all__ = ["CACHE_KWARG", "OUTPUT_CACHE_FIELD", "cache_argument"]
+__all__ = ["CACHE_KWARG", "OUTPUT_CACHE_FIELD", "cache_argument", "generate_cache", "generate_cache_kwargs"]
 
 #: name under which `generate` hands the cache to `forward` and keeps it in `model_kwargs`
 CACHE_KWARG: str = (
@@ -35,3 +36,28 @@ def cache_argument(past_key_values: Any, cache: Any) -> Any:
     if past_key_values is not None and cache is not None:
         raise ValueError("Pass the cache as either `past_key_values=` or `cache=`, not both.")
     return past_key_values if past_key_values is not None else cache
+
+
+#: the cache keyword `generate` does not know under this release (`cache` before 5.24, `past_key_values` after)
+_OTHER_CACHE_KWARG = "past_key_values" if CACHE_KWARG == "cache" else "cache"
+
+
+def generate_cache_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`generate`'s keyword arguments with the cache under the name this release's `generate` knows.
+
+    Before 5.24 `generate` does not know `cache=`: it would forward it to `forward` untouched and build its own
+    default cache beside it. From 5.24 on, `generate` renames `past_key_values=` itself but warns that the name is
+    deprecated. The native looped models take both names on every supported release (as their `forward` does), so
+    the other name is renamed here, without a warning; both at once is an error.
+    """
+    if kwargs.get(_OTHER_CACHE_KWARG) is None:
+        return kwargs
+    kwargs = dict(kwargs)
+    cache = kwargs.pop(_OTHER_CACHE_KWARG)
+    kwargs[CACHE_KWARG] = cache_argument(cache, kwargs.get(CACHE_KWARG))
+    return kwargs
+
+
+def generate_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache a `generate` call was given, under either name."""
+    return kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")

@@ -114,11 +114,11 @@ def replay_logits(
     if block < 1:
         raise ValueError(f"`block` must be a positive int, got {block}")
     with torch.no_grad():
-        model(input_ids[:, :prefix], past_key_values=cache, use_cache=True, **forward_kwargs)
+        model(input_ids[:, :prefix], cache=cache, use_cache=True, **forward_kwargs)
         outs = []
         for start in range(prefix, length, block):
             chunk = input_ids[:, start : start + block]
-            outs.append(model(chunk, past_key_values=cache, use_cache=True, **forward_kwargs).logits)
+            outs.append(model(chunk, cache=cache, use_cache=True, **forward_kwargs).logits)
     return torch.cat(outs, dim=1)
 
 

@@ -8,12 +8,42 @@ from hf_loopcache import CachePlan
 from hf_loopcache.cli import main
 
 
-def test_demo_reports_formula_and_allocated_bytes(capsys):
-    assert main(["demo", "--max-new-tokens", "8"]) == 0
+def test_demo_compares_the_full_cache_with_a_compressed_one(capsys):
+    assert main(["demo", "--prompt-tokens", "400", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "tiny-ouro" in out and "full-cache formula 60.0 KiB" in out and "allocated" in out
-    assert main(["demo", "--model", "tiny-huginn", "--cache", "ripe", "--window", "4", "--max-new-tokens", "4"]) == 0
-    assert "RIPECache" in capsys.readouterr().out
+    assert "tiny-ouro" in out and "the first 400 tokens of a held-out document" in out
+    assert "[full] FullLoopCache" in out and "[kivi4-share] LoopKVCache" in out
+    assert "new tokens equal the full cache's" in out
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.startswith("  full ") or "  kivi4-share " in line
+    }
+    assert float(rows["kivi4-share"][3].rstrip("%")) < 100 == float(rows["full"][3].rstrip("%"))
+    for sentence in ("stored: ", "= 60.0 KiB.", "allocated: ", "per history token (the lines above)"):
+        assert sentence in out
+    assert (
+        main(
+            [
+                "demo",
+                "--model",
+                "tiny-huginn",
+                "--cache",
+                "ripe",
+                "--window",
+                "4",
+                "--prompt",
+                "In the",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "[ripe] RIPECache" in out and "[full] FullLoopCache" in out
+    assert main(["demo", "--cache", "full", "--prompt", "In the", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.count("[full]") == 1
 
 
 def test_info_lists_every_preset(capsys):

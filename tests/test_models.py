@@ -8,7 +8,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_loopcache import FullLoopCache, LoopLayout
-from hf_loopcache._compat import CACHE_KWARG
 from tests.helpers import call_kwargs, make_model
 
 PROMPTS = [[5, 9, 17, 33, 12, 8, 40], [7, 3, 22], [11, 14, 6, 29, 31]]
@@ -56,10 +55,10 @@ def test_chunked_prefill_equals_one_shot(arch):
     model = make_model(arch)
     ids = torch.randint(3, 60, (2, 23), generator=torch.Generator().manual_seed(1))
     one = FullLoopCache(model)
-    full = model(ids, past_key_values=one, use_cache=True, **call_kwargs(arch)).logits
+    full = model(ids, cache=one, use_cache=True, **call_kwargs(arch)).logits
     chunked = FullLoopCache(model)
     parts = [
-        model(ids[:, a:b], past_key_values=chunked, use_cache=True, **call_kwargs(arch)).logits
+        model(ids[:, a:b], cache=chunked, use_cache=True, **call_kwargs(arch)).logits
         for a, b in [(0, 5), (5, 6), (6, 17), (17, 23)]
     ]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -73,14 +72,14 @@ def test_crop_then_decode_equals_fresh_prefill(arch):
     model = make_model(arch)
     ids = torch.randint(3, 60, (1, 16), generator=torch.Generator().manual_seed(2))
     cache = FullLoopCache(model)
-    model(ids[:, :12], past_key_values=cache, use_cache=True, **call_kwargs(arch))
-    model(ids[:, 12:15], past_key_values=cache, use_cache=True, **call_kwargs(arch))
+    model(ids[:, :12], cache=cache, use_cache=True, **call_kwargs(arch))
+    model(ids[:, 12:15], cache=cache, use_cache=True, **call_kwargs(arch))
     cache.crop(-5)  # back to 10 positions
     assert cache.get_seq_length() == 10
-    after = model(ids[:, 10:11], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
+    after = model(ids[:, 10:11], cache=cache, use_cache=True, **call_kwargs(arch)).logits
     fresh_cache = FullLoopCache(model)
-    model(ids[:, :10], past_key_values=fresh_cache, use_cache=True, **call_kwargs(arch))
-    fresh = model(ids[:, 10:11], past_key_values=fresh_cache, use_cache=True, **call_kwargs(arch)).logits
+    model(ids[:, :10], cache=fresh_cache, use_cache=True, **call_kwargs(arch))
+    fresh = model(ids[:, 10:11], cache=fresh_cache, use_cache=True, **call_kwargs(arch)).logits
     torch.testing.assert_close(after, fresh, atol=1e-5, rtol=1e-5)
     cache.crop(8)  # the older absolute-length convention
     assert cache.get_seq_length() == 8
@@ -113,7 +112,7 @@ def test_generate_takes_the_cache_under_this_versions_name(arch):
     model = make_model(arch)
     ids = torch.tensor([PROMPTS[1]])
     cache = FullLoopCache(model)
-    out = generate(model, arch, ids, **{CACHE_KWARG: cache})
+    out = generate(model, arch, ids, cache=cache)
     assert cache.get_seq_length() == out.shape[1] - 1
     assert torch.equal(out, generate(model, arch, ids))
 
@@ -122,9 +121,9 @@ def test_generate_takes_the_cache_under_this_versions_name(arch):
 def test_growable_dynamic_cache_works_and_fixed_one_fails_loudly(arch):
     model = make_model(arch)
     ids = torch.tensor([PROMPTS[0]])
-    assert torch.equal(generate(model, arch, ids, past_key_values=DynamicCache()), generate(model, arch, ids))
+    assert torch.equal(generate(model, arch, ids, cache=DynamicCache()), generate(model, arch, ids))
     with pytest.raises(ValueError, match="cannot hold|writes"):
-        generate(model, arch, ids, past_key_values=DynamicCache(config=model.config))
+        generate(model, arch, ids, cache=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="cache_implementation"):
         generate(model, arch, ids, cache_implementation="static")
 
@@ -136,7 +135,7 @@ def test_loop_count_is_a_call_argument():
     two = model(ids, num_loops=2, exit_at_step=-1).logits
     assert torch.allclose(two, model(ids, exit_at_step=1).logits, atol=1e-5)
     cache = FullLoopCache(model)
-    model(ids, num_loops=2, past_key_values=cache)
+    model(ids, num_loops=2, cache=cache)
     assert [cache.layer_for(c).get_seq_length() for c in model.loop_layout.core_cells(2)] == [0, 0]
     out = model.generate(ids, max_new_tokens=3, do_sample=False, num_loops=5)  # default cache sized for 5 loops
     assert out.shape[1] == ids.shape[1] + 3
@@ -160,9 +159,9 @@ def test_more_loops_than_the_cache_holds(arch):
     ids = torch.tensor([PROMPTS[1]])
     kw = {"num_loops": 5} if arch == "ouro" else {"num_steps": 6, "init_scale": 0.0}
     with pytest.raises(ValueError, match="holds"):
-        model(ids, past_key_values=FullLoopCache(model), use_cache=True, **kw)
+        model(ids, cache=FullLoopCache(model), use_cache=True, **kw)
     cache = FullLoopCache(model, num_loops=6)
-    model(ids, past_key_values=cache, use_cache=True, **kw)
+    model(ids, cache=cache, use_cache=True, **kw)
 
 
 @torch.no_grad()
@@ -170,10 +169,10 @@ def test_cache_of_another_layout_fails_at_first_use():
     ouro, huginn = make_model("ouro"), make_model("huginn")
     ids = torch.tensor([PROMPTS[1]])
     with pytest.raises(ValueError, match="built for"):
-        huginn(ids, past_key_values=FullLoopCache(ouro), use_cache=True, init_scale=0.0)
+        huginn(ids, cache=FullLoopCache(ouro), use_cache=True, init_scale=0.0)
     wide = make_model("ouro", num_attention_heads=2, num_key_value_heads=2)
     with pytest.raises(ValueError, match="built for"):
-        wide(ids, past_key_values=FullLoopCache(ouro), use_cache=True)
+        wide(ids, cache=FullLoopCache(ouro), use_cache=True)
 
 
 def test_unknown_slot_index_on_plain_update():

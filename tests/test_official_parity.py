@@ -54,8 +54,8 @@ def test_ouro_matches_official_cache_and_generate():
     model, g = _load("ouro_tiny")
     ids = g["input_ids"]
     cache = FullLoopCache(model)
-    torch.testing.assert_close(model(ids[:, :8], past_key_values=cache).logits, g["g_prefill8_logits"], **TOL)
-    torch.testing.assert_close(model(ids[:, 8:], past_key_values=cache).logits, g["g_chunk3_logits"], **TOL)
+    torch.testing.assert_close(model(ids[:, :8], cache=cache).logits, g["g_prefill8_logits"], **TOL)
+    torch.testing.assert_close(model(ids[:, 8:], cache=cache).logits, g["g_chunk3_logits"], **TOL)
     out = model.generate(g["e_generate_prompt"], max_new_tokens=8, do_sample=False)
     assert torch.equal(out, g["e_generate_sequences"])
 
@@ -96,10 +96,10 @@ def test_huginn_matches_official_cache_slots_and_generate(monkeypatch):
     slots: list[int] = []
     attend = cache.attend
     monkeypatch.setattr(cache, "attend", lambda slot, *a: (slots.append(slot), attend(slot, *a))[1])
-    prefill = model(ids[:, :6], num_steps=3, init_scale=0.0, use_cache=True, past_key_values=cache).logits
+    prefill = model(ids[:, :6], num_steps=3, init_scale=0.0, use_cache=True, cache=cache).logits
     assert slots == g["e_prefill_slot_sequence"].tolist()
     slots.clear()
-    decode = model(ids[:, 6:7], num_steps=3, init_scale=0.0, use_cache=True, past_key_values=cache).logits
+    decode = model(ids[:, 6:7], num_steps=3, init_scale=0.0, use_cache=True, cache=cache).logits
     assert slots == g["e_decode_slot_sequence"].tolist()
     torch.testing.assert_close(prefill, g["e_prefill6_logits"], **TOL)
     torch.testing.assert_close(decode, g["e_decode_token7_logits"], **TOL)

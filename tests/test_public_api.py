@@ -55,3 +55,17 @@ def test_import_has_no_side_effects_beyond_registration():
         "assert not [m for m in sys.modules if m.startswith('triton_ops') and m.endswith('.kernels')]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_typed_and_side_modules():
+    """py.typed ships with both packages (the API is typed); the CLI and fixture modules' surfaces."""
+    from pathlib import Path
+
+    import hf_loopcache.cli
+    import hf_loopcache.fixtures
+
+    assert (Path(hf_loopcache.__file__).parent / "py.typed").is_file()
+    assert (Path(triton_ops.__file__).parent / "py.typed").is_file()
+    assert hf_loopcache.cli.__all__ == ["UsageError", "main"]
+    assert "FixturesNotInstalledError" in hf_loopcache.fixtures.__all__
+    assert issubclass(hf_loopcache.fixtures.FixturesNotInstalledError, FileNotFoundError)

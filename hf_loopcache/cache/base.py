@@ -66,7 +66,7 @@ class LoopCache(Cache):
     >>> from hf_loopcache import LoopCache, CachePlan, load_fixture
     >>> model, tok = load_fixture("tiny-ouro")
     >>> cache = LoopCache(model, CachePlan.ripe(model.loop_layout, window=64))
-    >>> out = model.generate(**tok("The cat", return_tensors="pt"), past_key_values=cache, max_new_tokens=8)
+    >>> out = model.generate(**tok("The cat", return_tensors="pt"), cache=cache, max_new_tokens=8)
     >>> cache.layout.cell(5)   # slot 5 of Ouro = loop 0, layer 5
     Cell(stage='core', loop=0, layer=5)
     ```
@@ -90,6 +90,8 @@ class LoopCache(Cache):
         model_layout = resolve_layout(model_or_layout)
         if plan is None:
             plan = CachePlan.full(resolve_layout(model_layout, num_loops))
+        elif not isinstance(plan, CachePlan):
+            raise TypeError(f"`plan` must be a CachePlan or None (every cell full), got {type(plan).__name__}")
         elif not plan.layout.same_architecture(model_layout):
             raise ValueError(f"the plan is for {plan.layout.describe()}, but the model is {model_layout.describe()}")
         if num_loops is not None and num_loops != plan.layout.num_loops:

@@ -276,7 +276,9 @@ class CachePlan:
     ) -> CachePlan:
         """Load from a local folder (or the JSON file itself) or a Hugging Face Hub repository id.
 
-        Hub downloads go through `huggingface_hub.hf_hub_download`; offline, a clear error says so.
+        A missing path that cannot be a Hub repository id (`./plan`, `/abs/plan`, `plan.json`) raises
+        `FileNotFoundError` at once; a Hub download goes through `huggingface_hub.hf_hub_download`, and offline it
+        reads only the local Hub cache, else raises `hf_loopcache._hub.HubUnreachableError` (an `OSError`) at once.
         """
         path = os.fspath(path_or_repo_id)
         if os.path.isdir(path):
@@ -284,27 +286,34 @@ class CachePlan:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no {PLAN_FILE} in folder {os.fspath(path_or_repo_id)!r}")
         elif not os.path.isfile(path):
-            try:
-                from huggingface_hub import hf_hub_download
-            except ImportError as err:  # pragma: no cover - huggingface_hub ships with transformers
-                raise ImportError("loading a plan from the Hub needs `huggingface_hub`") from err
-            try:
-                path = hf_hub_download(path, PLAN_FILE, revision=revision, **hub_kwargs)
-            except Exception as err:
-                raise OSError(
-                    f"could not load {PLAN_FILE} from the Hub repository {os.fspath(path_or_repo_id)!r} "
-                    f"(revision {revision or 'main'}): {type(err).__name__}: {err}. If you are offline, pass a local "
-                    f"folder that holds {PLAN_FILE} (see CachePlan.save_pretrained)."
-                ) from err
+            from hf_loopcache._hub import hub_download, looks_like_local_path
+
+            if looks_like_local_path(path_or_repo_id):
+                raise FileNotFoundError(
+                    f"no plan folder or file {path!r} (it is not a Hub repository id either); pass a folder written "
+                    f"by CachePlan.save_pretrained, its {PLAN_FILE}, or a Hub repository id"
+                )
+            path = hub_download(path, PLAN_FILE, what="plan", revision=revision, **hub_kwargs)
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())
 
     def push_to_hub(self, repo_id: str, *, commit_message: str = "Upload hf_loopcache plan", **hub_kwargs: Any) -> Any:
-        """Upload `loopcache_plan.json` to a Hub repository (created if missing)."""
+        """Upload `loopcache_plan.json` to a Hub repository (created if missing).
+
+        Raises:
+            HubUnreachableError (an `OSError`): the Hub cannot be reached; nothing is uploaded.
+        """
         import tempfile
 
         from huggingface_hub import HfApi
 
+        from hf_loopcache._hub import HubUnreachableError, hub_offline_reason
+
+        offline = hub_offline_reason()
+        if offline is not None:
+            raise HubUnreachableError(
+                f"cannot push the plan to {repo_id!r}: the Hugging Face Hub cannot be reached ({offline})"
+            )
         api = HfApi()
         api.create_repo(
             repo_id, exist_ok=True, **{k: v for k, v in hub_kwargs.items() if k in ("private", "token", "repo_type")}

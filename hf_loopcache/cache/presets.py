@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hf_loopcache.attention import VPrecision
@@ -75,8 +76,9 @@ class LoopKVCache(LoopCache):
 
     Args:
         model_or_layout: a native looped model, its config, or a `LoopLayout`.
-        plan (`CachePlan` or `str`, *optional*, defaults to `"kivi4"`): a plan (e.g. from the planner or
-            `CachePlan.from_pretrained`) or a preset name: one of `LOOPKV_PRESETS`.
+        plan (`CachePlan`, `str` or `os.PathLike`, *optional*, defaults to `"kivi4"`): a plan (e.g. from the planner
+            or `CachePlan.from_pretrained`), a preset name (one of `LOOPKV_PRESETS`), or a local folder / JSON file
+            written by `CachePlan.save_pretrained`.
         tau (`float`, *optional*, defaults to 14.0): V-precision threshold in bits; None reads every low plane.
         max_rollback (`int`, *optional*, defaults to 0): see `LoopCache`.
         num_loops (`int`, *optional*): loop count for a preset plan; defaults to the model's.
@@ -85,15 +87,24 @@ class LoopKVCache(LoopCache):
     def __init__(
         self,
         model_or_layout: Any,
-        plan: CachePlan | str = "kivi4",
+        plan: CachePlan | str | os.PathLike = "kivi4",
         *,
         tau: float | None = 14.0,
         max_rollback: int = 0,
         num_loops: int | None = None,
     ) -> None:
-        if isinstance(plan, str):
-            if plan not in LOOPKV_PRESETS:
-                raise ValueError(f"`plan` must be a CachePlan or one of {LOOPKV_PRESETS}, got {plan!r}")
+        if isinstance(plan, str) and plan in LOOPKV_PRESETS:
             plan = loopkv_preset(resolve_layout(model_or_layout, num_loops), plan)
+        elif isinstance(plan, (str, os.PathLike)):
+            if not os.path.exists(plan):
+                raise ValueError(
+                    f"`plan` must be a CachePlan, one of {LOOPKV_PRESETS}, or a folder / JSON file saved by "
+                    f"`CachePlan.save_pretrained`; got {os.fspath(plan)!r}, which is none of these (no such path)"
+                )
+            plan = CachePlan.from_pretrained(plan)
+        elif not isinstance(plan, CachePlan):
+            raise TypeError(
+                f"`plan` must be a CachePlan, one of {LOOPKV_PRESETS}, or a plan folder; got {type(plan).__name__}"
+            )
         v_precision = None if tau is None else VPrecision(tau=tau, page_size=plan.page_size)
         super().__init__(model_or_layout, plan, max_rollback=max_rollback, v_precision=v_precision)

@@ -150,7 +150,27 @@ def plan_from_profile(
     free_storage = None if storage is None else storage - fixed_bytes
     if free_storage is not None and free_storage < 0:
         raise ValueError(f"`storage_budget` ({storage} B) is below what the final loop alone stores ({fixed_bytes} B)")
-    solution: KnapsackSolution = solve_knapsack(costs, budget - fixed_damage, free_storage, unit=unit)
+    # whole-plan bounds (final loop included), so no message speaks of the knapsack's internal, free-cell budgets
+    least_damage = fixed_damage + math.fsum(min(c.damage for c in row.values()) for row in costs.values())
+    least_stored = fixed_bytes + sum(min(int(c.stored_bytes) for c in row.values()) for row in costs.values())
+    if not budget >= least_damage:  # also NaN
+        raise ValueError(
+            f"`damage_budget` {damage_budget!r} = {budget:.3e} is below the least damage any plan over options "
+            f"{list(options)} with a {final_option!r} final loop reaches ({least_damage:.3e}); choose at least that, "
+            f"or add 'bf16' to the options"
+        )
+    if storage is not None and storage < least_stored:
+        raise ValueError(
+            f"`storage_budget` ({storage} B per token) is below the least any plan over options {list(options)} "
+            f"stores ({least_stored} B per token); choose at least that"
+        )
+    try:
+        solution: KnapsackSolution = solve_knapsack(costs, budget - fixed_damage, free_storage, unit=unit)
+    except ValueError:
+        raise ValueError(
+            f"no plan meets both `damage_budget` ({budget:.3e}) and `storage_budget` ({storage} B per token): each is "
+            f"reachable alone (least damage {least_damage:.3e}, least storage {least_stored} B), not both; relax one"
+        ) from None
     return _finish(
         profile,
         fixed,

@@ -40,7 +40,7 @@ from hf_loopcache.layout import Cell, LoopLayout
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "CellProfile", "profile_cells"]
+__all__ = ["PROFILE_SCHEMA_VERSION", "CellProfile", "max_positions", "profile_cells"]
 
 PROFILE_SCHEMA_VERSION = 2
 CODED = ("int4", "int2")
@@ -75,6 +75,12 @@ class CellProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CellProfile:
+        if not isinstance(data, dict) or "damage" not in data or "layout" not in data:
+            what = "a cache plan (loopcache_plan.json)" if isinstance(data, dict) and "cells" in data else "not one"
+            raise ValueError(
+                f"a cell profile (written by `profile_cells` / `hf-loopcache profile`) holds `layout` and `damage`; "
+                f"this is {what}"
+            )
         version = data.get("schema_version")
         if version != PROFILE_SCHEMA_VERSION:
             hint = (
@@ -99,8 +105,26 @@ class CellProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CellProfile:
+        """Read a profile JSON file. Raises `FileNotFoundError`, or `ValueError` for a file that is not a profile."""
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{os.fspath(path)!r} is not JSON ({err}), so not a cell profile") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{os.fspath(path)!r}: {err}") from None
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest context a model config says it was trained for (`max_position_embeddings`, Huginn's
+    `block_size`), or None if it names none."""
+    for name in ("max_position_embeddings", "block_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _options_for(layout: LoopLayout, cell: Cell, options: Sequence[str]) -> list[str]:
@@ -168,6 +192,13 @@ def profile_cells(
         raise ValueError("`documents` must hold at least one token sequence")
     layout: LoopLayout = model.loop_layout
     docs = [d.reshape(-1) for d in documents]
+    positions = max_positions(model.config)
+    longest = max(int(d.numel()) for d in docs)
+    if positions is not None and longest > positions:
+        raise ValueError(
+            f"`documents` must be at most the model's {positions} positions long (its trained context), got a "
+            f"document of {longest} tokens"
+        )
     settings = {
         "sink": sink,
         "window": window,
@@ -242,6 +273,7 @@ def profile_cells(
             f"{per * arms * len(docs) / 60:.1f} min ({per:.2f} s per arm and document)"
         )
     start = time.perf_counter()
+    bar = _progress(arms, enabled=progress)
     if need_share_ref:
         share_loop = layout.final_loop - 1
         plan = CachePlan.from_rule(
@@ -253,6 +285,7 @@ def profile_cells(
             group_size=group_size,
         )
         profile.kl_share = arm_damage(plan)
+        bar.update(1)
 
     def source_damage(source: Cell) -> float:
         """`d(source, share_source)`: the baseline a share arm's KL is measured against (measured once, kept)."""
@@ -261,8 +294,6 @@ def profile_cells(
         if share_source not in profile.damage.get(source, {}):
             profile.damage.setdefault(source, {})[share_source] = arm_damage(single(source, share_source))
         return profile.damage[source][share_source]
-
-    bar = _progress(len(todo), enabled=progress)
     for i, (cell, option) in enumerate(todo):
         if option not in profile.damage.get(cell, {}):  # a source's coded damage may already be measured
             damage = arm_damage(single(cell, option))

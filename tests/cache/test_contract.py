@@ -35,7 +35,7 @@ def test_lengths_mask_sizes_and_flags(arch, kind):
     model = make_model(arch)
     cache = _caches(model)[kind]
     assert cache.get_seq_length() == 0 and cache.batch_size == -1
-    model(torch.randint(3, 60, (2, 11)), past_key_values=cache, use_cache=True, **call_kwargs(arch))
+    model(torch.randint(3, 60, (2, 11)), cache=cache, use_cache=True, **call_kwargs(arch))
     assert cache.get_seq_length() == 11 and cache.batch_size == 2
     assert cache.get_mask_sizes(3, 0) == (14, 0)
     assert cache.get_mask_sizes(torch.arange(11, 14), 0) == (14, 0)  # transformers <= 5.0 passed cache_position
@@ -54,14 +54,14 @@ def test_batch_operations_match_a_cache_built_for_the_selected_rows(arch, kind):
 
     def logits_after(op, rows):
         cache = _caches(model)[kind]
-        model(ids, past_key_values=cache, use_cache=True, **kw)
+        model(ids, cache=cache, use_cache=True, **kw)
         op(cache)
-        return model(nxt[rows], past_key_values=cache, use_cache=True, **kw).logits
+        return model(nxt[rows], cache=cache, use_cache=True, **kw).logits
 
     def fresh(rows):
         cache = _caches(model)[kind]
-        model(ids[rows], past_key_values=cache, use_cache=True, **kw)
-        return model(nxt[rows], past_key_values=cache, use_cache=True, **kw).logits
+        model(ids[rows], cache=cache, use_cache=True, **kw)
+        return model(nxt[rows], cache=cache, use_cache=True, **kw).logits
 
     rows = torch.tensor([2, 0])
     torch.testing.assert_close(
@@ -80,10 +80,10 @@ def test_reset_empties_every_cell(arch, kind):
     model = make_model(arch)
     cache = _caches(model)[kind]
     ids = torch.randint(3, 60, (1, 9))
-    first = model(ids, past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
+    first = model(ids, cache=cache, use_cache=True, **call_kwargs(arch)).logits
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.stored_bytes() == 0
-    again = model(ids, past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
+    again = model(ids, cache=cache, use_cache=True, **call_kwargs(arch)).logits
     torch.testing.assert_close(first, again)
 
 
@@ -91,7 +91,7 @@ def test_crop_conventions():
     model = make_model("ouro")
     cache = LoopCache(model)
     with torch.no_grad():
-        model(torch.randint(3, 60, (1, 10)), past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 60, (1, 10)), cache=cache, use_cache=True)
     cache.crop(0)
     assert cache.get_seq_length() == 10
     cache.crop(-3)  # transformers >= 5.16: remove 3

@@ -43,8 +43,8 @@ def test_history_holds_the_codec_of_the_exact_keys_and_values(arch, name):
     model = _model(arch)
     ids = _ids(45)
     full, coded = FullLoopCache(model), LoopKVCache(model, _small_plan(model.loop_layout, name), tau=None)
-    model(ids, past_key_values=full, use_cache=True, **call_kwargs(arch))
-    model(ids, past_key_values=coded, use_cache=True, **call_kwargs(arch))
+    model(ids, cache=full, use_cache=True, **call_kwargs(arch))
+    model(ids, cache=coded, use_cache=True, **call_kwargs(arch))
     nbits = 4 if name == "kivi4" else 2
     sink, hist_end = 4, 4 + 8 * ((45 - 4 - 8) // 8)  # 36: pages [4, 36) left the window
     for cell in model.loop_layout.cells():
@@ -69,10 +69,10 @@ def test_error_against_the_uncached_model_grows_as_bits_fall(arch):
     errors = {}
     for name in ("kivi4", "kivi2"):
         cache = LoopKVCache(model, _small_plan(model.loop_layout, name), tau=None)
-        model(ids[:, :40], past_key_values=cache, use_cache=True, **call_kwargs(arch))
+        model(ids[:, :40], cache=cache, use_cache=True, **call_kwargs(arch))
         logits = torch.cat(
             [
-                model(ids[:, t : t + 9], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits
+                model(ids[:, t : t + 9], cache=cache, use_cache=True, **call_kwargs(arch)).logits
                 for t in range(40, 80, 9)
             ],
             dim=1,
@@ -88,8 +88,8 @@ def test_v_precision_off_equals_infinite_tau(arch):
     outs = []
     for tau in (None, math.inf):
         cache = LoopKVCache(model, _small_plan(model.loop_layout, "kivi4-share"), tau=tau)
-        model(ids[:, :30], past_key_values=cache, use_cache=True, **call_kwargs(arch))
-        outs.append(model(ids[:, 30:], past_key_values=cache, use_cache=True, **call_kwargs(arch)).logits)
+        model(ids[:, :30], cache=cache, use_cache=True, **call_kwargs(arch))
+        outs.append(model(ids[:, 30:], cache=cache, use_cache=True, **call_kwargs(arch)).logits)
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
@@ -133,12 +133,12 @@ def test_block_reads_equal_sequential_reads_for_coded_plans(arch, name):
     ids = _ids(40 + 9, seed=3)
     seq, blk = LoopKVCache(model, plan), LoopKVCache(model, plan)
     kw = call_kwargs(arch)
-    model(ids[:, :40], past_key_values=seq, use_cache=True, **kw)
-    model(ids[:, :40], past_key_values=blk, use_cache=True, **kw)
+    model(ids[:, :40], cache=seq, use_cache=True, **kw)
+    model(ids[:, :40], cache=blk, use_cache=True, **kw)
     one = torch.cat(
-        [model(ids[:, t : t + 1], past_key_values=seq, use_cache=True, **kw).logits for t in range(40, 49)], 1
+        [model(ids[:, t : t + 1], cache=seq, use_cache=True, **kw).logits for t in range(40, 49)], 1
     )
-    at_once = model(ids[:, 40:49], past_key_values=blk, use_cache=True, **kw).logits
+    at_once = model(ids[:, 40:49], cache=blk, use_cache=True, **kw).logits
     torch.testing.assert_close(at_once, one, atol=1e-9, rtol=1e-9)
     assert seq.stored_bytes() == blk.stored_bytes()
 
@@ -154,8 +154,8 @@ def test_crop_into_the_coded_history_and_decode_again(arch):
     cache, fresh, full = LoopKVCache(model, plan, tau=None), LoopKVCache(model, plan), FullLoopCache(model)
     ids = _ids(60, seed=4)
     kw = call_kwargs(arch)
-    model(ids[:, :50], past_key_values=cache, use_cache=True, **kw)
-    model(ids[:, :50], past_key_values=full, use_cache=True, **kw)
+    model(ids[:, :50], cache=cache, use_cache=True, **kw)
+    model(ids[:, :50], cache=full, use_cache=True, **kw)
     cache.crop(-25)  # length 25, inside the coded history [4, 36): page [20, 28) straddles the cut
     assert cache.get_seq_length() == 25
     for cell in model.loop_layout.cells():
@@ -165,11 +165,11 @@ def test_crop_into_the_coded_history_and_decode_again(arch):
         torch.testing.assert_close(kc[:, :, 4:25], fake_quantize_keys(k[:, :, 4:28], 4, group_size=8)[:, :, :21])
         torch.testing.assert_close(vc[:, :, 4:25], fake_quantize_values(v[:, :, 4:28], 4, group_size=16)[:, :, :21])
     before = [cache.cell_states(cell) for cell in model.loop_layout.cells()]
-    model(ids[:, 25:30], past_key_values=cache, use_cache=True, **kw)
+    model(ids[:, 25:30], cache=cache, use_cache=True, **kw)
     for cell, (k, v) in zip(model.loop_layout.cells(), before):  # decoding on keeps what the crop left
         for a, b in zip(cache.cell_states(cell), (k, v)):
             torch.testing.assert_close(a[:, :, :25], b, atol=0, rtol=0)
-    model(ids[:, :30], past_key_values=fresh, use_cache=True, **kw)
+    model(ids[:, :30], cache=fresh, use_cache=True, **kw)
     assert cache.get_seq_length() == 30
     assert cache.stored_bytes() == fresh.stored_bytes()
     assert cache.layer_for(Cell("core", 1, 1)).window_start == fresh.layer_for(Cell("core", 1, 1)).window_start == 20
@@ -187,7 +187,7 @@ def test_generate_with_loopkv_presets(arch):
         out = model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=LoopKVCache(model, plan),
+            cache=LoopKVCache(model, plan),
             max_new_tokens=20,
             min_new_tokens=20,
             do_sample=False,
@@ -214,7 +214,7 @@ def test_generate_with_loopkv_presets(arch):
     prompt = ids[:, :20]  # 30 new tokens: pages of generated tokens, which differ between beams, get coded
     beams = model.generate(
         prompt,
-        past_key_values=LoopKVCache(model, plan),
+        cache=LoopKVCache(model, plan),
         num_beams=3,
         max_new_tokens=30,
         min_new_tokens=30,

@@ -111,6 +111,6 @@ def test_plan_cli_writes_a_loadable_plan(profile, tmp_path, setup):
     data = json.loads((tmp_path / "plan" / "loopcache_plan.json").read_text())
     assert data["metadata"]["planner"] == "loopkv-knapsack" and data["metadata"]["profile"]["documents"] == 2
     out = model.generate(
-        docs[0][None, :20], past_key_values=LoopKVCache(model, plan), max_new_tokens=5, do_sample=False, pad_token_id=0
+        docs[0][None, :20], cache=LoopKVCache(model, plan), max_new_tokens=5, do_sample=False, pad_token_id=0
     )
     assert out.shape[1] >= 21
