@@ -211,7 +211,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt_len = len(ids)
     runs = []
     for spec in dict.fromkeys(["full", args.cache]):  # the full cache first, as the reference
-        options = {} if spec == "full" or args.window is None else {"window": args.window}
+        options = {"window": args.window} if spec == args.cache and args.window is not None else {}
         try:
             cache = build_cache(model, spec, **options)
         except (ValueError, TypeError, OSError) as err:

@@ -12,14 +12,14 @@ def test_demo_compares_the_full_cache_with_a_compressed_one(capsys):
     assert main(["demo", "--prompt-tokens", "400", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "tiny-ouro" in out and "the first 400 tokens of a held-out document" in out
-    assert "[full] FullLoopCache" in out and "[kivi4-share] LoopKVCache" in out
+    assert "[full] FullLoopCache" in out and "[loopkv:kivi4-share] LoopKVCache" in out
     assert "new tokens equal the full cache's" in out
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
-        if line.startswith("  full ") or "  kivi4-share " in line
+        if line.startswith("  full ") or "  loopkv:kivi4-share " in line
     }
-    assert float(rows["kivi4-share"][3].rstrip("%")) < 100 == float(rows["full"][3].rstrip("%"))
+    assert float(rows["loopkv:kivi4-share"][3].rstrip("%")) < 100 == float(rows["full"][3].rstrip("%"))
     for sentence in ("stored: ", "= 60.0 KiB.", "allocated: ", "per history token (the lines above)"):
         assert sentence in out
     assert (

@@ -15,8 +15,23 @@ from hf_loopcache import CachePlan, __version__
 from hf_loopcache.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
-PROFILE = REPO / "benchmarks" / "results" / "loopkv_planner_tiny_ouro_profile.json"
+PROFILE = "PROFILE"  # stands for the `profile` fixture's file in parametrized command lines
+RESULTS_PROFILE = REPO / "benchmarks" / "results" / "loopkv_planner_tiny_ouro_profile.json"
 needs_fixtures = pytest.mark.skipif(not fixtures.list_fixtures(), reason="hf-loopcache-fixtures is not installed")
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    """The committed tiny-ouro planner profile re-labelled with today's schema: these tests need a real profile's shape
+    and its int4 / int2 damages (the share scores' method does not matter to an argument check)."""
+    from hf_loopcache.planner.profile import PROFILE_SCHEMA_VERSION
+
+    data = json.loads(RESULTS_PROFILE.read_text())
+    data["schema_version"] = PROFILE_SCHEMA_VERSION
+    data.setdefault("settings", {})["share_source"] = "int4"
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    path.write_text(json.dumps(data))
+    return str(path)
 
 
 def _fails(capsys, argv: list[str], option: str, *needles: str, status: int = 2) -> str:
@@ -53,10 +68,10 @@ def _fails(capsys, argv: list[str], option: str, *needles: str, status: int = 2)
         (["profile", "--model", "./x", "--out", "p.json"], "--documents", "is required for models other than"),
         (["profile", "--model", "tiny-ouro", "--out", "/no/such/dir/p.json"], "--out", "does not exist"),
         (["plan", "--profile", "nope.json", "--damage-budget", "1x", "--out", "o"], "--profile", "no such file"),
-        (["plan", "--profile", str(PROFILE), "--damage-budget", "x2", "--out", "o"], "--damage-budget", "like 2e-4"),
-        (["plan", "--profile", str(PROFILE), "--damage-budget", "0", "--out", "o"], "--damage-budget", "least damage"),
+        (["plan", "--profile", PROFILE, "--damage-budget", "x2", "--out", "o"], "--damage-budget", "like 2e-4"),
+        (["plan", "--profile", PROFILE, "--damage-budget", "0", "--out", "o"], "--damage-budget", "least damage"),
         (
-            ["plan", "--profile", str(PROFILE), "--damage-budget", "3x", "--storage-budget", "1KiB", "--out", "o"],
+            ["plan", "--profile", PROFILE, "--damage-budget", "3x", "--storage-budget", "1KiB", "--out", "o"],
             "--storage-budget",
             "below what the final loop alone stores",
         ),
@@ -64,7 +79,7 @@ def _fails(capsys, argv: list[str], option: str, *needles: str, status: int = 2)
             [
                 "plan",
                 "--profile",
-                str(PROFILE),
+                PROFILE,
                 "--damage-budget",
                 "1.01x",
                 "--storage-budget",
@@ -78,16 +93,16 @@ def _fails(capsys, argv: list[str], option: str, *needles: str, status: int = 2)
             "below the least any plan",
         ),
         (
-            ["plan", "--profile", str(PROFILE), "--damage-budget", "3x", "--options", "int8", "--out", "o"],
+            ["plan", "--profile", PROFILE, "--damage-budget", "3x", "--options", "int8", "--out", "o"],
             "--options",
             "",
         ),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
-def test_argument_mistakes_end_in_one_line(capsys, tmp_path, monkeypatch, argv, option, needle):
+def test_argument_mistakes_end_in_one_line(capsys, tmp_path, monkeypatch, profile, argv, option, needle):
     monkeypatch.chdir(tmp_path)
-    _fails(capsys, argv, option, needle)
+    _fails(capsys, [profile if a == PROFILE else a for a in argv], option, needle)
 
 
 def test_cuda_on_a_cpu_build(capsys):
@@ -96,9 +111,9 @@ def test_cuda_on_a_cpu_build(capsys):
     _fails(capsys, ["demo", "--device", "cuda"], "--device", "'cuda' is not available", "use cpu")
 
 
-def test_damage_budget_error_speaks_in_whole_plan_terms(capsys, tmp_path):
+def test_damage_budget_error_speaks_in_whole_plan_terms(capsys, tmp_path, profile):
     line = _fails(
-        capsys, ["plan", "--profile", str(PROFILE), "--damage-budget", "0", "--out", str(tmp_path)], "--damage-budget"
+        capsys, ["plan", "--profile", profile, "--damage-budget", "0", "--out", str(tmp_path)], "--damage-budget"
     )
     assert "reaches (5.300e-05)" in line  # the least damage of a whole plan,
     assert not re.search(r"(?<![e\d])-\d", line)  # not the knapsack's negative internal remainder (-1.47e-05 before)
@@ -108,17 +123,17 @@ def test_damage_budget_error_speaks_in_whole_plan_terms(capsys, tmp_path):
 def test_plan_from_a_plan_file_says_what_it_is(capsys, tmp_path):
     from hf_loopcache.layout import LoopLayout
 
-    layout = LoopLayout.from_dict(json.loads(PROFILE.read_text())["layout"])
+    layout = LoopLayout.from_dict(json.loads(RESULTS_PROFILE.read_text())["layout"])
     plan_file = CachePlan.full(layout).save_pretrained(tmp_path / "plan")
     _fails(capsys, ["plan", "--profile", plan_file, "--damage-budget", "1x", "--out", "o"], "--profile", "a cache plan")
 
 
-def test_push_to_hub_offline_writes_nothing(capsys, tmp_path, monkeypatch):
+def test_push_to_hub_offline_writes_nothing(capsys, tmp_path, monkeypatch, profile):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     out = tmp_path / "plan"
-    argv = ["plan", "--profile", str(PROFILE), "--damage-budget", "3x", "--out", str(out), "--push-to-hub", "me/p"]
+    argv = ["plan", "--profile", profile, "--damage-budget", "3x", "--out", str(out), "--push-to-hub", "me/p"]
     _fails(capsys, argv, "--push-to-hub", "cannot be reached (HF_HUB_OFFLINE is set); nothing was written")
     assert not out.exists()
 

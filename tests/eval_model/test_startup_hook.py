@@ -33,7 +33,8 @@ def env_python(tmp_path_factory) -> tuple[Path, Path]:
         subprocess.check_output([python, "-c", "import site; print(site.getsitepackages()[0])"], text=True).strip()
     )
     deps = Path(lm_eval.__file__).resolve().parents[1]
-    (site / "_paths.pth").write_text(f"{ROOT}\n{deps}\n")  # sorts before the hook, as in a real install
+    fixtures = ROOT / "hf-loopcache-fixtures"  # the fixtures distribution's package folder (installed beside it)
+    (site / "_paths.pth").write_text(f"{ROOT}\n{fixtures}\n{deps}\n")  # sorts before the hook, as in a real install
     shutil.copy(ROOT / PTH, site / PTH)
     return python, site
 
