@@ -318,7 +318,7 @@ def _emit(rows: _Rows, emitted: list[list[int]], rules: tuple[int | None, set[in
             done = token in eos or (max_length is not None and prompt_len + len(rows.generated[b]) >= max_length)
             if not done and other:
                 ids = rows.prefix(b)
-                done = any(bool(c(ids, None).any()) for c in other)
+                done = any(bool(torch.as_tensor(c(ids, None)).any()) for c in other)
             if done:
                 rows.finished[b] = True
                 break

@@ -231,12 +231,6 @@ def test_fixture_prompts_start_with_their_separator_token():
     assert make_lm(add_bos_token=False).tok_encode("Hello world")[:1] != [bos]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="hf_loopcache.self_speculative calls `.any()` on a stopping criterion's result, but lm-eval's "
-    "MultiTokenEOSCriteria returns a Python bool (transformers accepts both); reported to selfspec",
-)
 def test_self_speculative_options_reach_the_strategy(monkeypatch):
     import hf_loopcache
 
