@@ -19,9 +19,9 @@ option the spec does not take is refused (ValueError naming the allowed ones), n
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
+from hf_loopcache._hub import looks_like_local_path
 from hf_loopcache.cache.base import LoopCache, resolve_layout
 from hf_loopcache.cache.plan import LOOPKV_PRESETS, PLAN_FILE, CachePlan, loopkv_preset
 from hf_loopcache.cache.presets import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
@@ -42,7 +42,6 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
 CACHE_OPTIONS: tuple[str, ...] = tuple(sorted({name for names in _OPTIONS.values() for name in names}))
 """Every option name some spec takes (callers such as the lm-eval model use it to tell cache options apart)."""
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ALLOWED = (
     f"{', '.join(CACHE_SPECS[:3])}, loopkv:<preset> (preset one of {', '.join(LOOPKV_PRESETS)}), "
     f"a local plan folder holding {PLAN_FILE}, or a Hub id 'owner/name'"
@@ -65,12 +64,12 @@ def _kind(spec: Any) -> tuple[str, str | None]:
         return "loopkv", preset
     if os.path.exists(spec):
         return "folder", None
-    if _HUB_ID.match(spec) and not spec.endswith(".json"):  # exactly one slash, no leading '.', '/' or '~'
-        return "hub", None
-    if spec.startswith((".", "/", "~")) or "/" in spec or os.sep in spec or spec.endswith(".json"):
+    if looks_like_local_path(spec):
         raise ValueError(
             f"`spec` {spec!r} looks like a local path, but nothing exists there; `spec` must be {_ALLOWED}"
         )
+    if spec.count("/") == 1:  # a Hub id `owner/name`; a bare name is a misspelt spec, not a repository
+        return "hub", None
     raise ValueError(f"`spec` must be {_ALLOWED}; got {spec!r}")
 
 
