@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["triton_available", "use_triton"]
+__all__ = ["announce_once", "next_pow2", "triton_available", "use_triton"]
 
 logger = logging.getLogger("triton_ops")
 _announced: set[str] = set()
@@ -30,7 +30,17 @@ def use_triton(op: str, *tensors: torch.Tensor) -> bool:
         return False
     if triton_available():
         return True
-    if op not in _announced:
-        _announced.add(op)
-        logger.warning("triton_ops.%s: Triton is not installed; CUDA tensors use the pure-torch reference", op)
+    announce_once(f"triton_ops.{op}: Triton is not installed; CUDA tensors use the pure-torch reference")
     return False
+
+
+def announce_once(message: str) -> None:
+    """Log `message` as a warning the first time it is seen (a fallback to the reference is worth saying once)."""
+    if message not in _announced:
+        _announced.add(message)
+        logger.warning(message)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= `n` (Triton block sizes); 1 for `n <= 1`."""
+    return 1 << max(0, (n - 1).bit_length())

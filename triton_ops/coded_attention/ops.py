@@ -8,20 +8,18 @@ stride 1) and never copies or decodes a cache tensor.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import use_triton
+from triton_ops._dispatch import announce_once, next_pow2, use_triton
 from triton_ops.coded_attention.reference import _check_query, reference_coded_attention
 
 if TYPE_CHECKING:
     from triton_ops.coded_attention.view import CellView
 
-logger = logging.getLogger("triton_ops")
 
 __all__ = ["coded_attention"]
 
@@ -31,10 +29,6 @@ _LOG2E = 1.4426950408889634
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _strides(t: Tensor | None, n: int = 3) -> list[int]:
@@ -60,7 +54,7 @@ def _coded_attention_fwd(
     hkv = view.num_kv_heads
     groups = hq // hkv
     rows = groups * q_len
-    block_r = max(16, min(64, _next_pow2(rows)))
+    block_r = max(16, min(64, next_pow2(rows)))
     n_rblocks = -(-rows // block_r)
     dev = query.device
     dummy = new_k
@@ -263,7 +257,7 @@ def coded_attention(
     reason = _kernel_supports(query, view, v_precision_tau)
     if not use_triton("coded_attention", query) or reason is not None:
         if reason is not None and query.is_cuda:
-            _announce(reason)
+            announce_once(f"coded_attention: the Triton kernel does not take {reason}; using the reference")
         return reference_coded_attention(
             query, view, scaling=scaling, v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
         )
@@ -281,11 +275,3 @@ def coded_attention(
         query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
     )
 
-
-_announced: set[str] = set()
-
-
-def _announce(reason: str) -> None:
-    if reason not in _announced:
-        _announced.add(reason)
-        logger.warning("coded_attention: the Triton kernel does not take %s; using the reference", reason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import use_triton
+from triton_ops._dispatch import next_pow2, use_triton
 from triton_ops.quant import naive
 from triton_ops.quant.naive import (
     DEFAULT_GROUP_SIZE,
@@ -25,10 +25,6 @@ from triton_ops.quant.naive import (
 )
 
 __all__ = ["quantize_keys", "quantize_values"]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _quantize_keys_fwd(x: Tensor, nbits: int, group_size: int, valid: Tensor | None) -> QuantizedKeys:
@@ -65,8 +61,8 @@ def _quantize_keys_fwd(x: Tensor, nbits: int, group_size: int, valid: Tensor | N
             D=d,
             NBITS=nbits,
             GROUP=group_size,
-            BLOCK_G=_next_pow2(group_size),
-            BLOCK_C=_next_pow2(d // per_byte),
+            BLOCK_G=next_pow2(group_size),
+            BLOCK_C=next_pow2(d // per_byte),
             USE_VALID=valid is not None,
         )
     return QuantizedKeys(codes=codes, scale=scale, zero=zero, nbits=nbits, group_size=group_size)
@@ -105,8 +101,8 @@ def _quantize_values_fwd(x: Tensor, nbits: int, group_size: int) -> QuantizedVal
             NBITS=nbits,
             GROUP=group_size,
             BLOCK_T=block_t,
-            BLOCK_NG=_next_pow2(d // group_size),
-            BLOCK_K=_next_pow2(group_size // 4),
+            BLOCK_NG=next_pow2(d // group_size),
+            BLOCK_K=next_pow2(group_size // 4),
         )
     return QuantizedValues(hi=hi, lo=lo, scale=scale, zero=zero, nbits=nbits, group_size=group_size)
 
