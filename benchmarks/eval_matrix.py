@@ -182,12 +182,14 @@ def run(args: argparse.Namespace) -> None:
                 if task_set == "reasoning":
                     argv += ["--limit", str(args.reasoning_limit), "--gen_kwargs", "max_gen_toks=512"]
                 pending.append((model, cache, task_set, argv, work / task_set / model / folder_name))
-    # every configuration is its own process: these small models are bound by the CPU's launch work, so on a machine
+    # every configuration is its own process (the fixtures' distribution from the checkout if it is not installed): these small models are bound by the CPU's launch work, so on a machine
     # with many cores `--jobs` of them share the GPU; `--deadline-s` stops the ones still running and starts no more
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), str(ROOT / "hf-loopcache-fixtures"), os.environ.get("PYTHONPATH")])
+        ),
     )
     (work / "logs").mkdir(parents=True, exist_ok=True)
     running: list[tuple[subprocess.Popen, float, tuple]] = []
