@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -111,6 +112,10 @@ def dense_attention(
 ) -> torch.Tensor:
     """Causal attention of the last `q` positions of `key`/`value` (the new tokens) over all of them.
 
+    Without `key_valid` SDPA gets no mask tensor: no mask for one token, `is_causal` for a prefill, and a lower-right
+    `CausalBias` for a block after cached positions (on CUDA the same flash kernel as a decode step). Only real padding
+    or holes build a boolean mask.
+
     Args:
         query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens.
         key (`torch.Tensor` of shape `[B, H_kv, T, D]`): keys of positions `0..T-1`; the new tokens are the last `q`.
@@ -126,12 +131,17 @@ def dense_attention(
     if past < 0:
         raise ValueError(f"`key` holds {total} positions but `query` has {q_len} new tokens")
     groups = query.shape[1] // key.shape[1]
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | CausalBias | None = None
     is_causal = False
     if key_valid is None:
         if q_len > 1 and past == 0:
             is_causal = True
-        elif q_len > 1:
+        elif q_len > 1 and not torch.compiler.is_compiling():
+            # a block after cached positions (self-speculative verification, chunked prefill): the causal diagonal
+            # aligned to the bottom right, with no mask tensor, so SDPA runs the kernel a one-token decode step runs
+            # (flash on CUDA); a bool mask would send every such call to a masked backend
+            mask = causal_lower_right(q_len, total)
+        elif q_len > 1:  # traced (torch.export / torch.compile): a plain tensor mask, the same math
             positions = torch.arange(total, device=query.device)
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
