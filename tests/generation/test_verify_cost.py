@@ -110,3 +110,18 @@ def test_dense_verification_hands_sdpa_no_mask_tensor(arch, monkeypatch):
     masks.clear()
     _forward(model, cache, ids, kwargs, 1)
     assert masks == {"none": model.loop_layout.num_cells}, dict(masks)
+
+
+def test_decode_shaped_attention_leaves_cudnn_out_and_keeps_the_callers_choices():
+    """cuDNN builds a graph per key length; calls with cached positions use the other backends the caller enabled."""
+    from torch.nn.attention import SDPBackend
+
+    from hf_loopcache.attention import _backends_without_cudnn
+
+    assert _backends_without_cudnn() == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_flash_sdp(False)
+        assert _backends_without_cudnn() == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
