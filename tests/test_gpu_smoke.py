@@ -34,14 +34,14 @@ def test_generate_on_cuda(arch, dtype):
 
 @pytest.mark.gpu
 def test_self_speculative_on_cuda_matches_sequential_and_skips_cudnn(arch, monkeypatch):
-    """Greedy self-speculation on CUDA (fp32, full cache, left-padded batch) equals plain greedy `generate`, and no
-    attention call with cached positions (decode, draft, verification) may pick the cuDNN backend, which rebuilds
-    its graph for every new key length."""
+    """Greedy self-speculation on CUDA (fp64, so both runs agree to the last bit whatever kernels they take; full
+    cache, left-padded batch) equals plain greedy `generate`, and no attention call with cached positions (decode,
+    draft, verification) may pick the cuDNN backend, which rebuilds its graph for every new key length."""
     from torch.nn.attention import SDPBackend
 
     from hf_loopcache import attention, self_speculative
 
-    model = make_model(arch).to(DEVICE)
+    model = make_model(arch).to(DEVICE, torch.float64)
     ids = torch.randint(3, 60, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     ids[1, :4] = 0
     mask = (ids != 0).long()
