@@ -125,3 +125,40 @@ def test_decode_shaped_attention_leaves_cudnn_out_and_keeps_the_callers_choices(
         assert _backends_without_cudnn() == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     finally:
         torch.backends.cuda.enable_flash_sdp(flash)
+
+
+@torch.no_grad()
+def test_plain_function_reserves_the_cache_so_no_cell_regrows(monkeypatch):
+    """`self_speculative_generate` reserves the cache as `generate` does: a full-precision cell's storage is
+    allocated at the prefill for every position a row can write, so at batch 1 no decode step copies a cell's history
+    into a larger buffer (a one-off cost a short sequential baseline would carry more of than a long one). In a batch,
+    positions the slowest row lacks (holes) can take the cache past that, and it grows as usual."""
+    from hf_loopcache import self_speculative_generate
+    from hf_loopcache.cache.storage import SeqBuffer
+
+    allocations: list[int] = []
+    append = SeqBuffer.append
+
+    def spy(buf, k, v):
+        before = buf.k
+        append(buf, k, v)
+        if buf.k is not before:
+            allocations.append(buf.k.shape[2])
+
+    monkeypatch.setattr(SeqBuffer, "append", spy)
+    model = make_model("huginn")
+    cache = FullLoopCache(model)
+    ids = torch.randint(3, 60, (1, 300), generator=torch.Generator().manual_seed(0))
+    self_speculative_generate(
+        model,
+        ids,
+        draft_loops=2,
+        block_size=GAMMA,
+        max_new_tokens=20,
+        cache=cache,
+        forced_acceptance=0.7,
+        generator=torch.Generator().manual_seed(0),
+        **call_kwargs("huginn"),
+    )
+    assert cache.get_seq_length() >= 300 + 19
+    assert allocations == [300 + 20] * len(cache.cells), (len(allocations), len(cache.cells), set(allocations))
