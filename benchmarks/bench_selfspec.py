@@ -536,12 +536,17 @@ def main(argv: list[str] | None = None) -> None:
                 ids = _prompts(shape, model, tok, batch, args.prompt, args.device)
                 alpha, source = _alpha(shape, cache_name, rows, acceptance)
                 t0 = time.perf_counter()
-                row = run_row(model, shape, cache_name, batch, ids, args, alpha)
+                try:
+                    row = run_row(model, shape, cache_name, batch, ids, args, alpha)
+                except Exception as err:  # noqa: BLE001 - one device call makes the table: record, go on
+                    row = {"shape": shape, "cache": cache_name, "batch": batch, "status": "error"}
+                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 row["acceptance_source"] = source
                 row["row_wall_s"] = round(time.perf_counter() - t0, 1)
                 done[(shape, batch)] = max(done.get((shape, batch), 0.0), row["row_wall_s"])
                 print(row, flush=True)
                 rows.append(row)
+                write_rows(args.out, rows)  # after every row: a call cut short keeps what it measured
                 reset_peak(args.device)
     models.clear()
     print("wrote", write_rows(args.out, rows), f"({time.perf_counter() - start:.0f} s)")
