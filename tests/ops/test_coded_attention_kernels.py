@@ -216,6 +216,12 @@ CPU_CASES = [
     Case(hist=64, strided=True, fmt=0, splits=2),
     Case(hist=65, Wn=0, Q=1, S=1),  # nothing in the window: the bound is the cached length
     Case(hist=40, Q=9, Hq=8, Hkv=1, Wn=8, splits=2, pad=True),  # 72 rows: two row blocks
+    # one row per KV head (decode without GQA): the elementwise path, several pages per loop step
+    Case(hist=1, Hq=1, Hkv=1),
+    Case(hist=100, Hq=2, Hkv=2, splits=3, pad=True, B=2),
+    Case(hist=300, Hq=1, Hkv=1, S=0),  # the launcher's own split count
+    Case(hist=200, Hq=2, Hkv=2, fmt=2, pad=True, B=2),
+    Case(hist=150, Hq=2, Hkv=2, fmt=4, vprec=False, strided=True, splits=2),
 ]
 
 

@@ -80,6 +80,142 @@ def _codes_values(
 
 
 @triton.jit
+def _u2f(x):
+    """Exact fp32 of a small non-negative int32 (< 2**23) without a conversion instruction (those issue at a quarter
+    of the FMA rate on Hopper): the bits of `2**23 + x`, minus `2**23`."""
+    return (x | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes_history_row1(
+    b_q, b_run, q_ptr, o_ptr, lse_ptr, pmax_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr,
+    hvs_ptr, hvz_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh, o_part, i_prog, nh,
+    hist_start, p_begin, p_end, n_pages, qk_scale, margin,
+    D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
+    USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
+):
+    """History pages `[p_begin, p_end)` of codes for ONE query row (decode without GQA, the common case), without
+    matrix instructions: `NP` pages per loop step, scores as elementwise products summed over channels, values
+    accumulated per bit lane. `b_q` [D] (the row's query, fp32, scaled by `qk_scale`), pointers already at
+    (b, h_kv); `nh` the history tokens the row reads; `b_run` the V-precision running-max seed (log2 units).
+    Writes the partial `(o, lse)` of row `o_part` (or the page maxima with `PAGE_MAX_ONLY`)."""
+    PB: tl.constexpr = 8 // KV_FMT  # channels per key byte
+    QMAX: tl.constexpr = 2**KV_FMT - 1
+    DK: tl.constexpr = D // PB
+    NG: tl.constexpr = D // VGROUP  # value groups per token
+    VG4: tl.constexpr = VGROUP // 4  # plane bytes per value group (4 channels per byte)
+    T: tl.constexpr = NP * PAGE
+    o_np = tl.arange(0, NP)
+    o_pt = tl.arange(0, PAGE)
+    o_ck = tl.arange(0, DK)
+    o_d = tl.arange(0, D)
+    o_tt = tl.arange(0, T)
+    o_g = tl.arange(0, NG)
+    o_c8 = tl.arange(0, VG4)
+    limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
+    b_m = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)
+    b_l = tl.sum(tl.zeros([NP], dtype=tl.float32), axis=0)
+    b_a0 = tl.zeros([NG, VG4], dtype=tl.float32)  # value lane j: channel 4 * (g * VG4 + c) + j
+    b_a1 = tl.zeros([NG, VG4], dtype=tl.float32)
+    b_a2 = tl.zeros([NG, VG4], dtype=tl.float32)
+    b_a3 = tl.zeros([NG, VG4], dtype=tl.float32)
+    b_az = tl.zeros([NG], dtype=tl.float32)  # per value group: sum p * zero (+ 1.5 * p * scale of cold tokens)
+    if COUNT:
+        b_cnt_cold = tl.sum(tl.zeros([NP], dtype=tl.int32), axis=0)
+        b_cnt_all = tl.sum(tl.zeros([NP], dtype=tl.int32), axis=0)
+    for i_p0 in range(p_begin, p_end, NP):
+        o_pg = i_p0 + o_np  # [NP] pages
+        m_pg = o_pg < p_end
+        o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]  # [NP, PAGE] history token index
+        m_vis = o_t2 < limit
+        o_t3 = o_t2[:, :, None]
+        b_pk = tl.load(hk_ptr + o_t3 * stride_hkt + o_ck[None, None, :], mask=o_t3 < limit, other=0).to(tl.int32)
+        # scores: page scale folded into the query per lane, page zero into a per-page bias
+        b_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pg[:, None], other=0.0)
+        b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
+        b_s = tl.zeros([NP, PAGE], dtype=tl.float32) + b_bias[:, None]
+        for j in tl.static_range(PB):
+            b_qj = tl.load(q_ptr + o_ck * PB + j).to(tl.float32) * qk_scale  # [DK], from L1
+            b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + (o_ck * PB + j)[None, :], mask=m_pg[:, None], other=0.0)
+            b_qs = b_ks.to(tl.float32) * b_qj[None, :]  # [NP, DK]
+            b_c = _u2f((b_pk >> (j * KV_FMT)) & QMAX)
+            b_s += tl.sum(b_c * b_qs[:, None, :], axis=2)
+        if USE_VALID:
+            b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
+            m_vis = m_vis & b_valid
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_pm = tl.max(b_s, axis=1)  # [NP] page maxima
+        if PAGE_MAX_ONLY:
+            tl.store(pmax_ptr + i_bh * n_pages + o_pg, b_pm, mask=m_pg)
+        else:
+            b_mn = tl.maximum(b_m, tl.max(b_pm, axis=0))
+            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # nothing seen yet: p stays 0
+            b_alpha = tl.exp2(b_m - b_ms)
+            b_p = tl.exp2(b_s - b_ms)  # [NP, PAGE]
+            b_l = b_l * b_alpha + tl.sum(tl.sum(b_p, axis=1), axis=0)
+            b_m = b_mn
+            b_a0 *= b_alpha
+            b_a1 *= b_alpha
+            b_a2 *= b_alpha
+            b_a3 *= b_alpha
+            b_az *= b_alpha
+            if USE_VPREC:
+                # running max of each page: the seed, then the prefix of page maxima up to the page itself
+                b_pre = tl.max(tl.where(o_np[None, :] <= o_np[:, None], b_pm[None, :], float("-inf")), axis=1)
+                b_runp = tl.maximum(b_pre, b_run)
+                b_run = tl.maximum(b_run, tl.max(b_pm, axis=0))
+                m_hot = m_vis & (b_s >= b_runp[:, None] - margin)
+                if COUNT:
+                    b_cnt_all += tl.sum(tl.sum(m_vis.to(tl.int32), axis=1), axis=0)
+                    b_cnt_cold += tl.sum(tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1), axis=0)
+                b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+                m_hot1 = tl.reshape(m_hot, [T])
+            b_p1 = tl.reshape(b_p, [T])
+            o_t1 = i_p0 * PAGE + o_tt  # [T]
+            m_t1 = o_t1 < limit
+            o_v3 = o_t1[:, None, None] * stride_hvt + (o_g[:, None] * VG4 + o_c8[None, :])[None, :, :]
+            b_hi = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0).to(tl.int32)  # [T, NG, VG4]
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)  # [T, NG]
+            b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)
+            b_w = b_p1[:, None] * b_vs  # [T, NG]: p * scale
+            b_az += tl.sum(b_p1[:, None] * b_vz, axis=0)
+            if KV_FMT == 4:
+                if USE_VPREC:
+                    b_az += 1.5 * tl.sum(b_pc[:, None] * b_vs, axis=0)  # cold tokens read the hi bucket's midpoint
+                    m_lo = m_t1 & m_hot1
+                else:
+                    m_lo = m_t1
+                b_lo = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0).to(tl.int32)  # 0 where cold
+                b_h4 = b_hi << 2
+                b_w3 = b_w[:, :, None]
+                b_a0 += tl.sum(b_w3 * _u2f((b_h4 & 12) | (b_lo & 3)), axis=0)
+                b_a1 += tl.sum(b_w3 * _u2f(((b_h4 >> 2) & 12) | ((b_lo >> 2) & 3)), axis=0)
+                b_a2 += tl.sum(b_w3 * _u2f(((b_h4 >> 4) & 12) | ((b_lo >> 4) & 3)), axis=0)
+                b_a3 += tl.sum(b_w3 * _u2f(((b_h4 >> 6) & 12) | ((b_lo >> 6) & 3)), axis=0)
+            else:
+                b_w3 = b_w[:, :, None]
+                b_a0 += tl.sum(b_w3 * _u2f(b_hi & 3), axis=0)
+                b_a1 += tl.sum(b_w3 * _u2f((b_hi >> 2) & 3), axis=0)
+                b_a2 += tl.sum(b_w3 * _u2f((b_hi >> 4) & 3), axis=0)
+                b_a3 += tl.sum(b_w3 * _u2f((b_hi >> 6) & 3), axis=0)
+    if not PAGE_MAX_ONLY:
+        b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + o_part, b_lse)
+        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+        o_c4 = (o_g[:, None] * VG4 + o_c8[None, :]) * 4  # [NG, VG4]
+        p_o = o_ptr + o_part * D + o_c4
+        b_z = b_az[:, None]
+        tl.store(p_o, (b_a0 + b_z) * b_inv)
+        tl.store(p_o + 1, (b_a1 + b_z) * b_inv)
+        tl.store(p_o + 2, (b_a2 + b_z) * b_inv)
+        tl.store(p_o + 3, (b_a3 + b_z) * b_inv)
+        if COUNT:
+            tl.store(stats_ptr + i_prog * 2, b_cnt_cold)
+            tl.store(stats_ptr + i_prog * 2 + 1, b_cnt_all)
+
+
+@triton.jit
 def _attend_dense(
     b_q,
     b_m,
@@ -214,6 +350,8 @@ def _coded_attention_fwd_kernel(
     READ_PREFIX: tl.constexpr,
     PAGE_MAX_ONLY: tl.constexpr,
     IEEE: tl.constexpr,
+    ROW1: tl.constexpr = False,
+    NP: tl.constexpr = 4,
 ):
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_b, i_hk = i_bh // H_KV, i_bh % H_KV
@@ -272,7 +410,25 @@ def _coded_attention_fwd_kernel(
                     b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
         o_t0 = tl.arange(0, PAGE)
         o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
-        if KV_FMT == 0:
+        if ROW1:
+            # one query row per KV head (decode, no GQA): the elementwise path, NP pages per step
+            b_q1 = tl.load(q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d).to(tl.float32) * qk_scale
+            if USE_VPREC and not PAGE_MAX_ONLY:
+                b_run1 = tl.max(tl.where(o_r == 0, b_run, float("-inf")), axis=0)
+            else:
+                b_run1 = 0.0
+            _codes_history_row1(
+                b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, o_ptr, lse_ptr, pmax_ptr, p_valid,
+                stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
+                hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
+                hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
+                (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
+                tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
+                D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY,
+            )  # fmt: skip
+        elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]
             for i_p in range(p_begin, p_end):
@@ -377,7 +533,7 @@ def _coded_attention_fwd_kernel(
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
-        if COUNT and not PAGE_MAX_ONLY:
+        if COUNT and not PAGE_MAX_ONLY and not ROW1:
             i_prog = (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2) + i_r
             tl.store(stats_ptr + i_prog * 2, tl.sum(b_cnt_cold, axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(b_cnt_all, axis=0))
