@@ -261,6 +261,21 @@ def test_running_max_crosses_splits():
         assert got.tolist() == stats.tolist(), ns
 
 
+@pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
+def test_late_maximum_moves_the_softmax_reference(vprec):
+    """One row per KV head (the elementwise path keeps a lazy softmax reference): a key aligned with the query in the
+    last page forces the reference to move after two steps of pages were accumulated; the output must not change."""
+    data = _build(Case(hist=320, S=0, Q=1, Hq=1, Hkv=1, splits=1, vprec=vprec), torch.float32)
+    qk, qv = data["history"]
+    k = naive.dequantize_keys(qk)
+    k[:, :, 300] = data["q"][:, :1, 0] * 6
+    data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
+    ref, ref_lse = _reference(data)
+    out, lse = _run_kernel(data)
+    assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
+
+
 def test_public_coded_attention_validates_and_falls_back():
     from triton_ops.coded_attention import coded_attention
 

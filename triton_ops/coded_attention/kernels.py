@@ -98,7 +98,13 @@ def _codes_history_row1(
     matrix instructions: `NP` pages per loop step, scores as elementwise products summed over channels, values
     accumulated per bit lane. `b_q` [D] (the row's query, fp32, scaled by `qk_scale`), pointers already at
     (b, h_kv); `nh` the history tokens the row reads; `b_run` the V-precision running-max seed (log2 units).
-    Writes the partial `(o, lse)` of row `o_part` (or the page maxima with `PAGE_MAX_ONLY`)."""
+    Writes the partial `(o, lse)` of row `o_part` (or the page maxima with `PAGE_MAX_ONLY`).
+
+    Instruction economy (the loop is issue-bound, not byte-bound): the sums over tokens (`l`, the value lanes, the
+    zero term, the counts) stay per thread in tiles of the step's shape and are reduced once after the loop; the
+    softmax reference `b_mr` moves only when a score exceeds it by more than 2**8 (lazy rescaling: p <= 256 in
+    fp32 is exact enough, and `lse = b_mr + log2(l)` does not depend on the reference), so the only reduction
+    across threads per step is the step's maximum."""
     PB: tl.constexpr = 8 // KV_FMT  # channels per key byte
     QMAX: tl.constexpr = 2**KV_FMT - 1
     DK: tl.constexpr = D // PB
@@ -113,16 +119,16 @@ def _codes_history_row1(
     o_g = tl.arange(0, NG)
     o_c8 = tl.arange(0, VG4)
     limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
-    b_m = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)
-    b_l = tl.sum(tl.zeros([NP], dtype=tl.float32), axis=0)
-    b_a0 = tl.zeros([NG, VG4], dtype=tl.float32)  # value lane j: channel 4 * (g * VG4 + c) + j
-    b_a1 = tl.zeros([NG, VG4], dtype=tl.float32)
-    b_a2 = tl.zeros([NG, VG4], dtype=tl.float32)
-    b_a3 = tl.zeros([NG, VG4], dtype=tl.float32)
-    b_az = tl.zeros([NG], dtype=tl.float32)  # per value group: sum p * zero (+ 1.5 * p * scale of cold tokens)
+    b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
+    b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
+    b_a0 = tl.zeros([T, NG, VG4], dtype=tl.float32)  # value lane j: channel 4 * (g * VG4 + c) + j
+    b_a1 = tl.zeros([T, NG, VG4], dtype=tl.float32)
+    b_a2 = tl.zeros([T, NG, VG4], dtype=tl.float32)
+    b_a3 = tl.zeros([T, NG, VG4], dtype=tl.float32)
+    b_az = tl.zeros([T, NG], dtype=tl.float32)  # p * zero (+ 1.5 * p * scale of cold tokens)
     if COUNT:
-        b_cnt_cold = tl.sum(tl.zeros([NP], dtype=tl.int32), axis=0)
-        b_cnt_all = tl.sum(tl.zeros([NP], dtype=tl.int32), axis=0)
+        b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
+        b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
     for i_p0 in range(p_begin, p_end, NP):
         o_pg = i_p0 + o_np  # [NP] pages
         m_pg = o_pg < p_end
@@ -148,26 +154,27 @@ def _codes_history_row1(
         if PAGE_MAX_ONLY:
             tl.store(pmax_ptr + i_bh * n_pages + o_pg, b_pm, mask=m_pg)
         else:
-            b_mn = tl.maximum(b_m, tl.max(b_pm, axis=0))
-            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # nothing seen yet: p stays 0
-            b_alpha = tl.exp2(b_m - b_ms)
-            b_p = tl.exp2(b_s - b_ms)  # [NP, PAGE]
-            b_l = b_l * b_alpha + tl.sum(tl.sum(b_p, axis=1), axis=0)
-            b_m = b_mn
-            b_a0 *= b_alpha
-            b_a1 *= b_alpha
-            b_a2 *= b_alpha
-            b_a3 *= b_alpha
-            b_az *= b_alpha
+            b_mx = tl.max(b_pm, axis=0)
+            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+                b_alpha = tl.exp2(b_mr - b_mx)
+                b_lv *= b_alpha
+                b_a0 *= b_alpha
+                b_a1 *= b_alpha
+                b_a2 *= b_alpha
+                b_a3 *= b_alpha
+                b_az *= b_alpha
+                b_mr = b_mx
+            b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+            b_lv += b_p
             if USE_VPREC:
                 # running max of each page: the seed, then the prefix of page maxima up to the page itself
                 b_pre = tl.max(tl.where(o_np[None, :] <= o_np[:, None], b_pm[None, :], float("-inf")), axis=1)
                 b_runp = tl.maximum(b_pre, b_run)
-                b_run = tl.maximum(b_run, tl.max(b_pm, axis=0))
+                b_run = tl.maximum(b_run, b_mx)
                 m_hot = m_vis & (b_s >= b_runp[:, None] - margin)
                 if COUNT:
-                    b_cnt_all += tl.sum(tl.sum(m_vis.to(tl.int32), axis=1), axis=0)
-                    b_cnt_cold += tl.sum(tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1), axis=0)
+                    b_cnt_all += m_vis.to(tl.int32)
+                    b_cnt_cold += (m_vis & ~m_hot).to(tl.int32)
                 b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
                 m_hot1 = tl.reshape(m_hot, [T])
             b_p1 = tl.reshape(b_p, [T])
@@ -179,40 +186,40 @@ def _codes_history_row1(
             b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)  # [T, NG]
             b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)
             b_w = b_p1[:, None] * b_vs  # [T, NG]: p * scale
-            b_az += tl.sum(b_p1[:, None] * b_vz, axis=0)
+            b_az += b_p1[:, None] * b_vz
+            b_w3 = b_w[:, :, None]
             if KV_FMT == 4:
                 if USE_VPREC:
-                    b_az += 1.5 * tl.sum(b_pc[:, None] * b_vs, axis=0)  # cold tokens read the hi bucket's midpoint
+                    b_az += 1.5 * b_pc[:, None] * b_vs  # cold tokens read the hi bucket's midpoint
                     m_lo = m_t1 & m_hot1
                 else:
                     m_lo = m_t1
                 b_lo = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0).to(tl.int32)  # 0 where cold
                 b_h4 = b_hi << 2
-                b_w3 = b_w[:, :, None]
-                b_a0 += tl.sum(b_w3 * _u2f((b_h4 & 12) | (b_lo & 3)), axis=0)
-                b_a1 += tl.sum(b_w3 * _u2f(((b_h4 >> 2) & 12) | ((b_lo >> 2) & 3)), axis=0)
-                b_a2 += tl.sum(b_w3 * _u2f(((b_h4 >> 4) & 12) | ((b_lo >> 4) & 3)), axis=0)
-                b_a3 += tl.sum(b_w3 * _u2f(((b_h4 >> 6) & 12) | ((b_lo >> 6) & 3)), axis=0)
+                b_a0 += b_w3 * _u2f((b_h4 & 12) | (b_lo & 3))
+                b_a1 += b_w3 * _u2f(((b_h4 >> 2) & 12) | ((b_lo >> 2) & 3))
+                b_a2 += b_w3 * _u2f(((b_h4 >> 4) & 12) | ((b_lo >> 4) & 3))
+                b_a3 += b_w3 * _u2f(((b_h4 >> 6) & 12) | ((b_lo >> 6) & 3))
             else:
-                b_w3 = b_w[:, :, None]
-                b_a0 += tl.sum(b_w3 * _u2f(b_hi & 3), axis=0)
-                b_a1 += tl.sum(b_w3 * _u2f((b_hi >> 2) & 3), axis=0)
-                b_a2 += tl.sum(b_w3 * _u2f((b_hi >> 4) & 3), axis=0)
-                b_a3 += tl.sum(b_w3 * _u2f((b_hi >> 6) & 3), axis=0)
+                b_a0 += b_w3 * _u2f(b_hi & 3)
+                b_a1 += b_w3 * _u2f((b_hi >> 2) & 3)
+                b_a2 += b_w3 * _u2f((b_hi >> 4) & 3)
+                b_a3 += b_w3 * _u2f((b_hi >> 6) & 3)
     if not PAGE_MAX_ONLY:
-        b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
+        b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
         tl.store(lse_ptr + o_part, b_lse)
         b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
         o_c4 = (o_g[:, None] * VG4 + o_c8[None, :]) * 4  # [NG, VG4]
         p_o = o_ptr + o_part * D + o_c4
-        b_z = b_az[:, None]
-        tl.store(p_o, (b_a0 + b_z) * b_inv)
-        tl.store(p_o + 1, (b_a1 + b_z) * b_inv)
-        tl.store(p_o + 2, (b_a2 + b_z) * b_inv)
-        tl.store(p_o + 3, (b_a3 + b_z) * b_inv)
+        b_z = tl.sum(b_az, axis=0)[:, None]
+        tl.store(p_o, (tl.sum(b_a0, axis=0) + b_z) * b_inv)
+        tl.store(p_o + 1, (tl.sum(b_a1, axis=0) + b_z) * b_inv)
+        tl.store(p_o + 2, (tl.sum(b_a2, axis=0) + b_z) * b_inv)
+        tl.store(p_o + 3, (tl.sum(b_a3, axis=0) + b_z) * b_inv)
         if COUNT:
-            tl.store(stats_ptr + i_prog * 2, b_cnt_cold)
-            tl.store(stats_ptr + i_prog * 2 + 1, b_cnt_all)
+            tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
+            tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
 
 
 @triton.jit
