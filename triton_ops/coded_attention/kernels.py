@@ -87,12 +87,35 @@ def _u2f(x):
 
 
 @triton.jit
+def _vcode(b_hi, b_lo, SHIFT: tl.constexpr, FAST: tl.constexpr):
+    """The 4-bit value code `4 hi + lo` of the 2-bit fields at bit SHIFT of int32 bytes `b_hi`, `b_lo` as fp32;
+    FAST: `1 + code / 16` (hi's field to bits 21-22, lo's to 19-20 of 1.0's mantissa)."""
+    if FAST:
+        b_f = ((b_hi << (21 - SHIFT)) & (3 << 21)) | ((b_lo << (19 - SHIFT)) & (3 << 19)) | 0x3F800000
+        return b_f.to(tl.float32, bitcast=True)
+    else:
+        return _u2f((((b_hi >> SHIFT) & 3) << 2) | ((b_lo >> SHIFT) & 3))
+
+
+@triton.jit
+def _field(b, SHIFT: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+    """The NB-bit field at bit SHIFT (< 8) of int32 bytes `b` as fp32. FAST: `1 + field / 2**NB`, the field shifted
+    to the top of the mantissa of 1.0 (one shift, one LOP3; no conversion, no add); else the field itself (exact)."""
+    if FAST:
+        TGT: tl.constexpr = 23 - NB
+        return (((b << (TGT - SHIFT)) & (((1 << NB) - 1) << TGT)) | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        return _u2f((b >> SHIFT) & ((1 << NB) - 1))
+
+
+@triton.jit
 def _codes_history_row1(
     b_q, b_run, q_ptr, o_ptr, lse_ptr, pmax_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr,
     hvs_ptr, hvz_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh, o_part, i_prog, nh,
     hist_start, p_begin, p_end, n_pages, qk_scale, margin,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
     USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """History pages `[p_begin, p_end)` of codes for ONE query row (decode without GQA, the common case), without
     matrix instructions: `NP` pages per loop step, scores as elementwise products summed over channels, values
@@ -104,13 +127,20 @@ def _codes_history_row1(
     zero term, the counts) stay per thread in tiles of the step's shape and are reduced once after the loop; the
     softmax reference `b_mr` moves only when a score exceeds it by more than 2**8 (lazy rescaling: p <= 256 in
     fp32 is exact enough, and `lse = b_mr + log2(l)` does not depend on the reference), so the only reduction
-    across threads per step is the step's maximum."""
+    across threads per step is the step's maximum. FAST (16-bit inputs) reads a field as `f = 1 + code / 2**n`
+    straight from its bits, sums `a * f` and subtracts `sum a` once (the difference is at most ~3x smaller than the
+    terms, so fp32 keeps ~2**-22 relative); fp32 inputs read the exact field."""
     PB: tl.constexpr = 8 // KV_FMT  # channels per key byte
-    QMAX: tl.constexpr = 2**KV_FMT - 1
     DK: tl.constexpr = D // PB
     NG: tl.constexpr = D // VGROUP  # value groups per token
     VG4: tl.constexpr = VGROUP // 4  # plane bytes per value group (4 channels per byte)
     T: tl.constexpr = NP * PAGE
+    if FAST:
+        KSC: tl.constexpr = 2.0**KV_FMT  # code = KSC * (f - 1)
+        VSC: tl.constexpr = 16.0 if KV_FMT == 4 else 4.0
+    else:
+        KSC: tl.constexpr = 1.0
+        VSC: tl.constexpr = 1.0
     o_np = tl.arange(0, NP)
     o_pt = tl.arange(0, PAGE)
     o_ck = tl.arange(0, DK)
@@ -126,6 +156,7 @@ def _codes_history_row1(
     b_a2 = tl.zeros([T, NG, VG4], dtype=tl.float32)
     b_a3 = tl.zeros([T, NG, VG4], dtype=tl.float32)
     b_az = tl.zeros([T, NG], dtype=tl.float32)  # p * zero (+ 1.5 * p * scale of cold tokens)
+    b_wsum = tl.zeros([T, NG], dtype=tl.float32)  # p * scale (FAST: the `1` of every f)
     if COUNT:
         b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
         b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
@@ -143,9 +174,10 @@ def _codes_history_row1(
         for j in tl.static_range(PB):
             b_qj = tl.load(q_ptr + o_ck * PB + j).to(tl.float32) * qk_scale  # [DK], from L1
             b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + (o_ck * PB + j)[None, :], mask=m_pg[:, None], other=0.0)
-            b_qs = b_ks.to(tl.float32) * b_qj[None, :]  # [NP, DK]
-            b_c = _u2f((b_pk >> (j * KV_FMT)) & QMAX)
-            b_s += tl.sum(b_c * b_qs[:, None, :], axis=2)
+            b_qs = b_ks.to(tl.float32) * b_qj[None, :] * KSC  # [NP, DK]
+            if FAST:
+                b_s -= tl.sum(b_qs, axis=1)[:, None]
+            b_s += tl.sum(_field(b_pk, j * KV_FMT, KV_FMT, FAST) * b_qs[:, None, :], axis=2)
         if USE_VALID:
             b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
             m_vis = m_vis & b_valid
@@ -163,6 +195,7 @@ def _codes_history_row1(
                 b_a2 *= b_alpha
                 b_a3 *= b_alpha
                 b_az *= b_alpha
+                b_wsum *= b_alpha
                 b_mr = b_mx
             b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
             b_lv += b_p
@@ -187,6 +220,8 @@ def _codes_history_row1(
             b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)
             b_w = b_p1[:, None] * b_vs  # [T, NG]: p * scale
             b_az += b_p1[:, None] * b_vz
+            if FAST:
+                b_wsum += b_w
             b_w3 = b_w[:, :, None]
             if KV_FMT == 4:
                 if USE_VPREC:
@@ -195,16 +230,16 @@ def _codes_history_row1(
                 else:
                     m_lo = m_t1
                 b_lo = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0).to(tl.int32)  # 0 where cold
-                b_h4 = b_hi << 2
-                b_a0 += b_w3 * _u2f((b_h4 & 12) | (b_lo & 3))
-                b_a1 += b_w3 * _u2f(((b_h4 >> 2) & 12) | ((b_lo >> 2) & 3))
-                b_a2 += b_w3 * _u2f(((b_h4 >> 4) & 12) | ((b_lo >> 4) & 3))
-                b_a3 += b_w3 * _u2f(((b_h4 >> 6) & 12) | ((b_lo >> 6) & 3))
+                # the 4-bit code 4 hi + lo of lane j: hi's field next to lo's (FAST: both at the mantissa's top)
+                b_a0 += b_w3 * _vcode(b_hi, b_lo, 0, FAST)
+                b_a1 += b_w3 * _vcode(b_hi, b_lo, 2, FAST)
+                b_a2 += b_w3 * _vcode(b_hi, b_lo, 4, FAST)
+                b_a3 += b_w3 * _vcode(b_hi, b_lo, 6, FAST)
             else:
-                b_a0 += b_w3 * _u2f(b_hi & 3)
-                b_a1 += b_w3 * _u2f((b_hi >> 2) & 3)
-                b_a2 += b_w3 * _u2f((b_hi >> 4) & 3)
-                b_a3 += b_w3 * _u2f((b_hi >> 6) & 3)
+                b_a0 += b_w3 * _field(b_hi, 0, 2, FAST)
+                b_a1 += b_w3 * _field(b_hi, 2, 2, FAST)
+                b_a2 += b_w3 * _field(b_hi, 4, 2, FAST)
+                b_a3 += b_w3 * _field(b_hi, 6, 2, FAST)
     if not PAGE_MAX_ONLY:
         b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
         b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
@@ -213,10 +248,11 @@ def _codes_history_row1(
         o_c4 = (o_g[:, None] * VG4 + o_c8[None, :]) * 4  # [NG, VG4]
         p_o = o_ptr + o_part * D + o_c4
         b_z = tl.sum(b_az, axis=0)[:, None]
-        tl.store(p_o, (tl.sum(b_a0, axis=0) + b_z) * b_inv)
-        tl.store(p_o + 1, (tl.sum(b_a1, axis=0) + b_z) * b_inv)
-        tl.store(p_o + 2, (tl.sum(b_a2, axis=0) + b_z) * b_inv)
-        tl.store(p_o + 3, (tl.sum(b_a3, axis=0) + b_z) * b_inv)
+        b_ws = tl.sum(b_wsum, axis=0)[:, None]  # 0 unless FAST
+        tl.store(p_o, (VSC * (tl.sum(b_a0, axis=0) - b_ws) + b_z) * b_inv)
+        tl.store(p_o + 1, (VSC * (tl.sum(b_a1, axis=0) - b_ws) + b_z) * b_inv)
+        tl.store(p_o + 2, (VSC * (tl.sum(b_a2, axis=0) - b_ws) + b_z) * b_inv)
+        tl.store(p_o + 3, (VSC * (tl.sum(b_a3, axis=0) - b_ws) + b_z) * b_inv)
         if COUNT:
             tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
@@ -433,7 +469,7 @@ def _coded_attention_fwd_kernel(
                 stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
                 (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                 tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
-                D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY,
+                D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
             )  # fmt: skip
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
