@@ -13,8 +13,9 @@ p20 / p80 of the calls). Bytes read count every pass over the stored K and V: co
 window / new token, and for `int4-vprec` the low plane of hot tokens only (plus the second pass over K when the
 kernel needs page maxima first). The flush rows time quantizing one page (32 tokens) of one cell's K and V.
 
-`python -m benchmarks.run coded-attention --out coded_attention_h200` (GPU); `--plot FILE.json` draws the PNG
-from a result file (any machine with matplotlib).
+`python -m benchmarks.run coded-attention --out coded_attention_h200` (GPU; batches 1 8 16 32 64 x contexts 8K / 32K
+by default, about 40 s on the H200); `--tuning JSON` overrides `ops.ROW1_TUNING` (recorded in each coded row);
+`--plot FILE.json` draws the PNG from a result file (any machine with matplotlib).
 """
 
 from __future__ import annotations

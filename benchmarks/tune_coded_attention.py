@@ -32,7 +32,9 @@ def _data(bmax, tmax, dev, gen):
     pages = hist // PAGE
 
     def rn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(
+            torch.bfloat16 if dev == "cuda" else torch.float32
+        )
 
     def codes(*shape):
         return torch.randint(0, 256, shape, generator=gen, device=dev, dtype=torch.uint8)
@@ -62,7 +64,9 @@ def _view(d, b, ctx, nbits, valid=None):
     w_len = ctx - SINK - n_hist
     if nbits:
         kc = d["kc4"] if nbits == 4 else d["kc2"]
-        hk = naive.QuantizedKeys(kc[:b, :, :n_hist], d["ks"][:b, :, : n_hist // PAGE], d["kz"][:b, :, : n_hist // PAGE], nbits, PAGE)
+        hk = naive.QuantizedKeys(
+            kc[:b, :, :n_hist], d["ks"][:b, :, : n_hist // PAGE], d["kz"][:b, :, : n_hist // PAGE], nbits, PAGE
+        )
         hv = naive.QuantizedValues(
             d["vh"][:b, :, :n_hist], d["vl"][:b, :, :n_hist] if nbits == 4 else None, d["vs"][:b, :, :n_hist],
             d["vz"][:b, :, :n_hist], nbits, GROUP,
@@ -124,7 +128,9 @@ def check(d, tune, nbits, vprec):
     q = d["q"][:2] * 0.5
     sk, sr = (torch.zeros(2, dtype=torch.int64, device=q.device) for _ in range(2))
     out, lse = _coded_attention_fwd(q, view, scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sk, tuning=tune)
-    ref, rlse = reference_coded_attention(q.float(), _cast(view), scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sr)
+    ref, rlse = reference_coded_attention(
+        q.float(), _cast(view), scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sr
+    )
     return dict(
         err=(out.float() - ref).abs().max().item(), lse_err=(lse - rlse).abs().max().item(),
         ref_scale=ref.abs().max().item(), cold=sk.tolist(), cold_ref=sr.tolist(),
@@ -198,7 +204,10 @@ def main(argv=None):
                             hist_bytes += n_hist * E * (nbits / 8 + 4 / PAGE)
                     nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + 1) * 2 * E * 2)
                     q = d["q"][:b]
-                    fn = lambda q=q, v=view, t=tau, tn=tune: _coded_attention_fwd(q, v, scaling=D**-0.5, v_precision_tau=t, tuning=tn)  # noqa: E731
+
+                    def fn(q=q, v=view, t=tau, tn=tune):
+                        return _coded_attention_fwd(q, v, scaling=D**-0.5, v_precision_tau=t, tuning=tn)
+
                     ms = _graph_ms(fn)
                     row.update(us=ms * 1e3, tb_s=nbytes / ms / 1e9, bytes_read=int(nbytes), check_err=chk["err"])
                     rows.append(row)
@@ -206,23 +215,35 @@ def main(argv=None):
     if args.baseline and dev == "cuda":
         for ctx in args.contexts:
             for b in args.batches:
-                kk = torch.cat([d["sk"][:b], d["wk"][:b].repeat(1, 1, (ctx + 1) // (WINDOW + PAGE) + 1, 1)], 2)[:, :, : ctx + 1]
-                vv = torch.cat([d["sv"][:b], d["wv"][:b].repeat(1, 1, (ctx + 1) // (WINDOW + PAGE) + 1, 1)], 2)[:, :, : ctx + 1]
+                kk = torch.cat([d["sk"][:b], d["wk"][:b].repeat(1, 1, (ctx + 1) // (WINDOW + PAGE) + 1, 1)], 2)[
+                    :, :, : ctx + 1
+                ]
+                vv = torch.cat([d["sv"][:b], d["wv"][:b].repeat(1, 1, (ctx + 1) // (WINDOW + PAGE) + 1, 1)], 2)[
+                    :, :, : ctx + 1
+                ]
                 kk, vv = kk.contiguous(), vv.contiguous()
-                ms = _graph_ms(lambda q=d["q"][:b], kk=kk, vv=vv: F.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5))
+                ms = _graph_ms(
+                    lambda q=d["q"][:b], kk=kk, vv=vv: F.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5)
+                )
                 rows.append(dict(config="sdpa-bf16", provider="sdpa-bf16", batch=b, context=ctx, us=ms * 1e3,
                                  tb_s=b * (ctx + 1) * 4 * E / ms / 1e9))  # fmt: skip
                 del kk, vv
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows), f)
+            json.dump(
+                dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows),
+                f,
+            )
     cells = sorted({(r["context"], r["batch"]) for r in rows if "us" in r})
     keys = sorted({(r["config"], r["provider"]) for r in rows if "us" in r}, key=lambda k: (k[1], k[0]))
     print("us (TB/s) per config x provider; columns: " + ", ".join(f"{c}:{b}" for c, b in cells))
     by = {(r["config"], r["provider"], r["context"], r["batch"]): r for r in rows if "us" in r}
     for k in keys:
         vals = [by.get((*k, c, b)) for c, b in cells]
-        print(f"{k[0]:>10} {k[1]:>10} " + " ".join(f"{v['us']:7.1f}({v['tb_s']:.2f})" if v else "      -      " for v in vals))
+        print(
+            f"{k[0]:>10} {k[1]:>10} "
+            + " ".join(f"{v['us']:7.1f}({v['tb_s']:.2f})" if v else "      -      " for v in vals)
+        )
 
 
 if __name__ == "__main__":

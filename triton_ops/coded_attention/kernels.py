@@ -6,7 +6,8 @@ Split-history (flash-decoding) attention of `Q` new tokens over one cell's store
 the stored codes (INT4 / INT2) or BF16 tensors; program `NS` reads the dense tail (sink, window, new tokens). Rows
 are the `G * Q` queries that share one KV head (GQA: K/V are read once per row block). Each program writes a partial
 `(o, lse)`; `_coded_attention_merge_kernel` combines them by log-sum-exp. Scores are kept in log2 units
-(`qk * scale * log2(e)`), so the V-precision margin `tau * ln 2` becomes `tau`.
+(`qk * scale * log2(e)`), so the V-precision margin `tau * ln 2` becomes `tau`. When a KV head has one query row
+(decode without GQA) the history programs of coded cells run `_codes_history_row1` (elementwise, no dots).
 """
 
 from __future__ import annotations

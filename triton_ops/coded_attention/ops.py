@@ -25,7 +25,7 @@ __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
 
-ROW1_TUNING = {"enabled": True, "pages": 4, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4}
+ROW1_TUNING = {"enabled": True, "pages": 2, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8}
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, and the programs per SM the split count aims at when the batch alone does not fill the
 device (H200 sweep: `benchmarks/notes_coded_attention.md`, v3)."""
