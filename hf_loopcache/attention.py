@@ -136,7 +136,8 @@ def dense_attention(
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
         positions = torch.arange(total, device=query.device)
-        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total])
+        # the mask lives on the model's first device; a layer on another (`device_map`) reads a copy
+        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total].to(query.device))
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
 
