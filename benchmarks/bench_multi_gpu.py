@@ -45,31 +45,31 @@ PARTS = ("split", "crossing", "eval")
 CACHES = {"full": lambda m: FullLoopCache(m), "ripe64": lambda m: RIPECache(m, window=64)}
 
 
-def balanced_device_map(model: Any, devices: list[str]) -> dict[str, str]:
-    """A device map that cuts the repeated block (Huginn's core, Ouro's layers) into `len(devices)` contiguous runs of
-    layers; what runs before it goes with the first device, what runs after it with the last."""
+def balanced_device_map(config: Any, devices: list[str]) -> dict[str, str]:
+    """A device map (for a model of `config`) that cuts the repeated block (Huginn's core, Ouro's layers) into
+    `len(devices)` contiguous runs of layers; what runs before it goes with the first device, what after with the last."""
     n = len(devices)
-    if model.config.model_type == "ouro":
-        layers = model.config.num_hidden_layers
+    if config.model_type == "ouro":
+        layers = config.num_hidden_layers
         device_map = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0]}
         device_map |= {f"model.layers.{i}": devices[i * n // layers] for i in range(layers)}
         return device_map | {"model.norm": devices[-1], "model.early_exit_gate": devices[-1], "lm_head": devices[-1]}
-    core = model.config.n_layers_in_recurrent_block
+    core = config.n_layers_in_recurrent_block
     device_map = {"transformer.wte": devices[0], "transformer.prelude": devices[0], "transformer.adapter": devices[0]}
     device_map |= {f"transformer.core_block.{i}": devices[i * n // core] for i in range(core)}
     return device_map | {"transformer.coda": devices[-1], "transformer.ln_f": devices[-1], "lm_head": devices[-1]}
 
 
-def crossings_per_token(device_map: dict[str, str], model: Any) -> int:
-    """Device changes along one token's forward (the loops' returns included)."""
+def crossings_per_token(device_map: dict[str, str], config: Any) -> int:
+    """Device changes along one token's forward (the loops' returns included) of a model of `config`."""
     order = list(device_map.values())
-    if model.config.model_type == "ouro":
-        layers = [device_map[f"model.layers.{i}"] for i in range(model.config.num_hidden_layers)]
-        path = [order[0]] + layers * model.config.total_ut_steps + [device_map["lm_head"]]
+    if config.model_type == "ouro":
+        layers = [device_map[f"model.layers.{i}"] for i in range(config.num_hidden_layers)]
+        path = [order[0]] + layers * config.total_ut_steps + [device_map["lm_head"]]
     else:
-        core = [device_map[f"transformer.core_block.{i}"] for i in range(model.config.n_layers_in_recurrent_block)]
+        core = [device_map[f"transformer.core_block.{i}"] for i in range(config.n_layers_in_recurrent_block)]
         adapter = device_map["transformer.adapter"]
-        path = [device_map["transformer.prelude"]] + ([adapter] + core) * model.config.mean_recurrence
+        path = [device_map["transformer.prelude"]] + ([adapter] + core) * config.mean_recurrence
         path += [device_map["transformer.coda"], device_map["lm_head"]]
     return sum(a != b for a, b in zip(path, path[1:]))
 
@@ -205,10 +205,10 @@ def part_split_and_crossing(args, parts: list[str]) -> list[dict[str, Any]]:
     if "crossing" in parts:
         rows.append(generate_row(model, args.crossing_cache, args.crossing_batch, args, [one], "one device"))
     # split over every device
-    device_map = balanced_device_map(model, devices)
+    device_map = balanced_device_map(model.config, devices)
     split = _dispatch(model, device_map)
     _warm(split, one)
-    crossings = crossings_per_token(device_map, split)
+    crossings = crossings_per_token(device_map, split.config)
     if "split" in parts:
         row = generate_row(split, "full", args.batch, args, devices, "split")
         rows.append({**row, "device_map": device_map, "crossings_per_token": crossings})
@@ -241,14 +241,31 @@ def _time_copy(x: torch.Tensor, target: str, devices: list[str], repeats: int = 
     return (time.perf_counter() - t0) / repeats
 
 
+def _scores(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each task's measured metrics (lm-eval's placeholders for lengths not run, -1, and stderr columns left out)."""
+    return {
+        task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and v != -1 and "stderr" not in k}
+        for task, metrics in results.items()
+    }
+
+
 def part_eval(args) -> list[dict[str, Any]]:
-    """lm-eval with one process, then `accelerate launch` with one process per device; same metrics, wall times."""
+    """lm-eval with one process, then `accelerate launch` with one process per device; same metrics, wall times.
+    Without `--eval-metadata`, the fixtures' synthetic tasks are built first (`python -m eval_tasks.ruler`)."""
+    from eval_tasks import TASKS_DIR
+
     out_dir = Path(args.eval_out)
+    metadata = args.eval_metadata
+    if metadata is None:
+        data = out_dir / "data"
+        build = [sys.executable, "-m", "eval_tasks.ruler", "--tokenizer", "tiny-ouro", "--lengths", "1024",
+                 "--num-samples", str(args.eval_samples), "--ruler-tasks", "none", "--synth-tasks",
+                 "niah_single,vartrack", "--synth-haystacks", "noise", "--out", str(data)]  # fmt: skip
+        subprocess.run(build, check=True, capture_output=True, text=True)
+        metadata = json.dumps({"ruler_dir": str(data)})
     base = ["-m", "lm_eval", "--model", "hf-loopcache", "--model_args", args.eval_model_args, "--tasks",
-            *args.eval_tasks, "--batch_size", "1", "--include_path", "eval_tasks/configs"]  # fmt: skip
-    if args.eval_metadata:
-        base += ["--metadata", args.eval_metadata]
-    n = len(dict.fromkeys(args.devices))
+            *args.eval_tasks, "--batch_size", "1", "--include_path", str(TASKS_DIR), "--metadata", metadata]  # fmt: skip
+    n = len(args.devices)  # one process per listed device (a CPU dry run lists "cpu" twice)
     runs = {
         "1 process": [sys.executable, *base, "--output_path", str(out_dir / "one")],
         f"{n} processes": [
@@ -279,7 +296,7 @@ def part_eval(args) -> list[dict[str, Any]]:
             row["stderr_tail"] = proc.stderr[-1500:]
         else:
             (result,) = (out_dir / ("one" if name == "1 process" else "dp")).rglob("results_*.json")
-            row["results"] = json.loads(result.read_text())["results"]
+            row["results"] = _scores(json.loads(result.read_text())["results"])
         metrics.append(row.get("results"))
         rows.append(row)
     if all(m is not None for m in metrics):
@@ -300,11 +317,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--try-one-device", action="store_true", help="also run the full cache on one device")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    parser.add_argument("--eval-tasks", nargs="+", default=["loopcache_synth"], help="lm-eval tasks of the eval part")
+    parser.add_argument(
+        "--eval-tasks",
+        nargs="+",
+        default=["loopcache_synth_niah_single_noise", "loopcache_synth_vartrack_noise"],
+        help="lm-eval tasks of the eval part",
+    )
+    parser.add_argument("--eval-samples", type=int, default=200, help="items per synthetic task (built when needed)")
     parser.add_argument(
         "--eval-model-args", default="pretrained=tiny-ouro,cache=ripe,window=64,dtype=float32", help="model_args"
     )
-    parser.add_argument("--eval-metadata", default=None, help="lm-eval --metadata JSON (e.g. ruler_dir)")
+    parser.add_argument("--eval-metadata", default=None, help="lm-eval --metadata JSON (default: build the synth data)")
     parser.add_argument("--eval-out", default="runs/multi-gpu-eval", help="lm-eval output folder")
     parser.add_argument("--out", default="multi_gpu", help="result file name under benchmarks/results/")
     args = parser.parse_args(argv)

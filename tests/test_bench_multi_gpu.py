@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from benchmarks import bench_multi_gpu as bench
 from benchmarks import common
 from benchmarks.run import REGISTRY
+from hf_loopcache import HuginnConfig, OuroConfig
 
 
 def test_registered_with_its_gate():
@@ -29,15 +29,19 @@ def test_arguments_are_checked():
 
 
 def test_huginn_0125_map_splits_the_core_and_crosses_twice_per_loop():
-    from hf_loopcache import HuginnConfig, HuginnForCausalLM
-
-    with torch.device("meta"):
-        model = HuginnForCausalLM(HuginnConfig(bos_token_id=65504, eos_token_id=65505, pad_token_id=65509))
-    device_map = bench.balanced_device_map(model, ["cuda:0", "cuda:1"])
+    config = HuginnConfig(bos_token_id=65504, eos_token_id=65505, pad_token_id=65509)  # the released shape
+    device_map = bench.balanced_device_map(config, ["cuda:0", "cuda:1"])
     assert [device_map[f"transformer.core_block.{i}"] for i in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
     assert device_map["transformer.prelude"] == "cuda:0" and device_map["lm_head"] == "cuda:1"
-    # 32 steps: core 1 -> 2 and core 3 -> adapter each step, minus the last return, plus none to coda / head
-    assert bench.crossings_per_token(device_map, model) == 2 * 32 - 1
+    # 32 steps: core 1 -> core 2 and core 3 -> adapter each step, minus the last return (core 3 -> coda stays)
+    assert bench.crossings_per_token(device_map, config) == 2 * 32 - 1
+
+
+def test_ouro_map_cuts_the_layers_into_contiguous_runs():
+    config = OuroConfig(num_hidden_layers=24, total_ut_steps=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    device_map = bench.balanced_device_map(config, ["cuda:0", "cuda:1"])
+    assert [device_map[f"model.layers.{i}"] for i in (0, 11, 12, 23)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert bench.crossings_per_token(device_map, config) == 2 * 4 - 1
 
 
 def test_cpu_dry_run(tmp_path, monkeypatch):

@@ -253,3 +253,20 @@ def test_crop_through_a_device_map(arch, cache_name):
             ).logits
             assert torch.equal(logits[:, -1].argmax(-1), out[:, t + 1])
     assert cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_from_pretrained_with_a_device_map(tmp_path, arch):
+    """The users' door: `from_pretrained(folder, device_map=...)` (transformers' own dispatch) of a saved model, then
+    `generate` through a RIPE cache, gives the tokens of the model it was saved from."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_model(arch)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=_split_map(arch), dtype=torch.float32)
+    assert type(loaded) is type(model)  # (a map over one device only places the weights: no hooks)
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+    cache = RIPECache(loaded, window=4)
+    out = loaded.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(out, model.generate(ids, past_key_values=RIPECache(model, window=4), **kw))
+    assert {str(d) for d in cache.cell_devices()} == {"cpu"}
