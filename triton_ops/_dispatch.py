@@ -15,7 +15,15 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["announce_once", "check_same_device", "launch_device", "next_pow2", "triton_available", "use_triton"]
+__all__ = [
+    "announce_once",
+    "check_same_device",
+    "launch_device",
+    "next_pow2",
+    "several_gpus",
+    "triton_available",
+    "use_triton",
+]
 
 logger = logging.getLogger("triton_ops")
 _announced: set[str] = set()
@@ -50,10 +58,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache
+def several_gpus() -> bool:
+    """More than one CUDA device is visible (checked once, at the first launch, never at import)."""
+    return torch.cuda.device_count() > 1
+
+
 def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     """The context a kernel reading `t` is launched in: `t`'s CUDA device made current (Triton launches on the
-    current device, which is not the tensor's when a model is split over GPUs by `device_map`); a no-op elsewhere."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    current device, which is not the tensor's when a model is split over GPUs by `device_map`); a no-op elsewhere and
+    with a single GPU."""
+    return torch.cuda.device(t.device) if t.is_cuda and several_gpus() else contextlib.nullcontext()
 
 
 def _tensors(obj: object) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,4 +85,6 @@ def check_same_device(ref: torch.Tensor, ref_name: str, container: object) -> No
     kernel takes raw pointers and would read another device's memory instead of failing."""
     for name, t in _tensors(container):
         if t.device != ref.device:
-            raise ValueError(f"`{name}` is on {t.device} but `{ref_name}` is on {ref.device}; a kernel reads one device")
+            raise ValueError(
+                f"`{name}` is on {t.device} but `{ref_name}` is on {ref.device}; a kernel reads one device"
+            )

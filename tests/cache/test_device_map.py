@@ -270,3 +270,25 @@ def test_from_pretrained_with_a_device_map(tmp_path, arch):
     out = loaded.generate(ids, past_key_values=cache, **kw)
     assert torch.equal(out, model.generate(ids, past_key_values=RIPECache(model, window=4), **kw))
     assert {str(d) for d in cache.cell_devices()} == {"cpu"}
+
+
+def test_huginn_moves_the_prelude_output_to_the_core_once_per_forward(monkeypatch):
+    """Prelude on CPU, adapter and core on meta: the hidden states cross from the CPU to meta twice per forward (the
+    first step's adapter input, then the prelude's output once for the later steps), not once per step."""
+    model = make_model("huginn")  # 4 steps
+    split = _dispatched(model, _split_map("huginn", second="meta"))
+    split._hf_hook.io_same_device = False
+    width = model.config.n_embd
+    crossings: list[tuple[int, ...]] = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type == "meta" and self.shape[-1] in (width, 2 * width):
+            crossings.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    with torch.no_grad():
+        split(torch.tensor([[5, 9, 17]]), past_key_values=FullLoopCache(model), use_cache=True, init_scale=0.0)
+    assert sorted(crossings) == [(1, 3, width), (1, 3, 2 * width)]
