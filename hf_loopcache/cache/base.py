@@ -108,8 +108,9 @@ class LoopCache(Cache):
         self.v_precision = v_precision
         self._v_precision_stats: VPrecisionStats | None = None  # set by `track_v_precision()`
         self._draft_loops: int | None = None  # loops of the current forward when fewer than the cache holds
-        # the current forward's read state, one per device its cells sit on (a model split by `device_map`)
-        self._read: tuple[AttentionInputs, dict[torch.device, ReadState]] | None = None
+        # the current forward's read state, one per device its cells sit on (a model split by `device_map`), keyed by
+        # the device's name (string keys: the cache stays a pytree, see `pytree.py`)
+        self._read: tuple[AttentionInputs, dict[str, ReadState]] | None = None
         layers: list[LoopLayerBase] = [None] * self.layout.num_cells  # type: ignore[list-item]
         for cell in self.layout.cells():  # sources first: shared cells point at them
             if plan.option(cell) != "share":
@@ -188,16 +189,16 @@ class LoopCache(Cache):
         home = key_valid.device if key_valid is not None else None
         device = torch.device(device) if device is not None and key_valid is not None else home
         for where in (home, device):  # the mask's own device first: other devices copy its hole positions
-            if where not in states:
-                states[where] = ReadState(  # type: ignore[index]
+            if str(where) not in states:
+                states[str(where)] = ReadState(
                     key_valid=None if key_valid is None else key_valid.to(where),
                     scaling=inputs.scaling,
                     draft_loops=self._draft_loops,
                     v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
                     v_precision_stats=self._v_precision_stats,
-                    home=None if where == home else states[home],  # type: ignore[index]
+                    home=None if where == home else states[str(home)],
                 )
-        return states[device]  # type: ignore[index]
+        return states[str(device)]
 
     def _cell_on(self, slot: int | torch.Tensor, key_states: torch.Tensor) -> LoopLayerBase:
         """The layer of `slot`, after checking that the new keys are on the cell's device (a cell is placed on the

@@ -28,14 +28,15 @@ class VPrecisionStats(Mapping[str, float]):
     counter (no transfer on the read path) and reading a count sums them."""
 
     def __init__(self) -> None:
-        self.device_counts: dict[torch.device, torch.Tensor] = {}  # int64 [cold, history], one per device read on
+        # int64 [cold, history], one per device read on, keyed by the device's name (a cache stays a pytree)
+        self.device_counts: dict[str, torch.Tensor] = {}
 
-    def tensor(self, device: torch.device) -> torch.Tensor:
+    def tensor(self, device: torch.device | str) -> torch.Tensor:
         """The accumulator `coded_attention` adds to in place, on `device` (the reading cell's)."""
-        device = torch.device(device)
-        if device not in self.device_counts:
-            self.device_counts[device] = torch.zeros(2, dtype=torch.int64, device=device)
-        return self.device_counts[device]
+        name = str(torch.device(device))
+        if name not in self.device_counts:
+            self.device_counts[name] = torch.zeros(2, dtype=torch.int64, device=device)
+        return self.device_counts[name]
 
     @property
     def counts(self) -> torch.Tensor | None:
