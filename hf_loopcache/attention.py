@@ -147,7 +147,8 @@ def dense_attention(
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
         positions = torch.arange(total, device=query.device)
-        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total])
+        # the mask lives on the model's first device; a layer on another (`device_map`) reads a copy
+        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total].to(query.device))
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     if past > 0 and query.is_cuda and not torch.compiler.is_compiling() and torch.backends.cuda.cudnn_sdp_enabled():
         with sdpa_kernel(_backends_without_cudnn()):

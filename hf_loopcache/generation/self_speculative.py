@@ -220,7 +220,7 @@ class _Step:
             **{CACHE_KWARG: self.cache},
             **kwargs,
         )
-        return out.logits.float()
+        return out.logits.float().to(tokens.device)  # the head may sit on another device than the inputs (device_map)
 
 
 def draft_block(

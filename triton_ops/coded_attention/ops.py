@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import announce_once, next_pow2, use_triton
+from triton_ops._dispatch import (
+    announce_once,
+    check_same_device,
+    launch_device,
+    next_pow2,
+    several_gpus,
+    use_triton,
+)
 from triton_ops.coded_attention.reference import _check_query, reference_coded_attention
 
 if TYPE_CHECKING:
@@ -290,7 +297,11 @@ def coded_attention(
         raise ValueError(f"`v_precision_stats` must be a tensor of shape [2] (cold, history), got {v_precision_stats!r}")
     if query.stride(-1) != 1:
         raise ValueError(f"`query` must have stride 1 in its last dim, got strides {query.stride()}")
-    return _coded_attention_fwd(
-        query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
-    )
-
+    if several_gpus():  # multi-GPU (`device_map`): every tensor on the query's device, and the launch there
+        check_same_device(query, "query", view)
+        if v_precision_stats is not None and v_precision_stats.device != query.device:
+            raise ValueError(f"`v_precision_stats` is on {v_precision_stats.device} but `query` is on {query.device}")
+    with launch_device(query):
+        return _coded_attention_fwd(
+            query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
+        )
