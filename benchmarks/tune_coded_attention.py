@@ -98,18 +98,10 @@ def _tau_for_cold(d, view, n_hist, target=0.8):
 
 
 def _graph_ms(fn):
-    import triton
+    """Median ms of replaying `fn` captured in a CUDA graph (the benchmark's own timing, L2 flushed)."""
+    from benchmarks.bench_coded_attention import _graph_bench
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
+    return _graph_bench(fn)[0]
 
 
 def check(d, tune, nbits, vprec):
