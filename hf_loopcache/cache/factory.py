@@ -12,6 +12,9 @@ benchmarks, examples).
 | a local plan folder  | `LoopKVCache` with the folder's `loopcache_plan.json` (or that file)  | tau, max_rollback                 |
 | a Hub id `owner/name`| `LoopKVCache` with the repository's `loopcache_plan.json`            | tau, max_rollback, plan_revision  |
 
+Every spec also takes `static`, `max_batch_size` and `max_cache_len`: `static=True` builds the cache with preallocated
+storage and device-side lengths, so a decode step can be captured (`LoopCache`; plans of `bf16` cells only for now).
+
 Options are separate keywords, so lm-eval reads `cache=ripe,window=64` and the CLI `--cache ripe --window 64`. An
 option the spec does not take is refused (ValueError naming the allowed ones), never ignored.
 """
@@ -31,13 +34,14 @@ __all__ = ["CACHE_OPTIONS", "CACHE_SPECS", "build_cache", "cache_options"]
 CACHE_SPECS = ("full", "ripe", "deepest", *(f"loopkv:{p}" for p in LOOPKV_PRESETS))
 """The named specs; a local plan folder or a Hub id `owner/name` are accepted too."""
 
+_STATIC = ("static", "max_batch_size", "max_cache_len")
 _OPTIONS: dict[str, tuple[str, ...]] = {
-    "full": ("num_loops",),
-    "ripe": ("window", "sink", "num_loops", "max_rollback"),
-    "deepest": ("num_loops", "max_rollback"),
-    "loopkv": ("tau", "sink", "window", "page_size", "group_size", "num_loops", "max_rollback"),
-    "folder": ("tau", "max_rollback"),
-    "hub": ("tau", "max_rollback", "plan_revision"),
+    "full": ("num_loops", *_STATIC),
+    "ripe": ("window", "sink", "num_loops", "max_rollback", *_STATIC),
+    "deepest": ("num_loops", "max_rollback", *_STATIC),
+    "loopkv": ("tau", "sink", "window", "page_size", "group_size", "num_loops", "max_rollback", *_STATIC),
+    "folder": ("tau", "max_rollback", *_STATIC),
+    "hub": ("tau", "max_rollback", "plan_revision", *_STATIC),
 }
 CACHE_OPTIONS: tuple[str, ...] = tuple(sorted({name for names in _OPTIONS.values() for name in names}))
 """Every option name some spec takes (callers such as the lm-eval model use it to tell cache options apart)."""
@@ -86,6 +90,7 @@ def build_cache(model: Any, spec: str, **options: Any) -> LoopCache:
         spec (`str`): `full`, `ripe`, `deepest`, `loopkv:<preset>`, a local plan folder, or a Hub id, resolved in this
             order.
         **options: `window`, `sink`, `tau`, `page_size`, `group_size`, `num_loops`, `max_rollback`, `plan_revision`,
+            `static`, `max_batch_size`, `max_cache_len`,
             as the spec takes them (`window` defaults to 64 for `ripe` and to 256 for LoopKV presets; `tau` to 14.0,
             None turns V precision off).
 
@@ -124,6 +129,7 @@ def build_cache(model: Any, spec: str, **options: Any) -> LoopCache:
     if kind == "deepest":
         return DeepestPlaneCache(model, **options)
     max_rollback = options.pop("max_rollback", 0)
+    static = {name: options.pop(name) for name in _STATIC if name in options}
     if kind == "loopkv":
         assert preset is not None
         layout = resolve_layout(model, options.pop("num_loops", None))
@@ -132,4 +138,4 @@ def build_cache(model: Any, spec: str, **options: Any) -> LoopCache:
         plan = CachePlan.from_pretrained(spec)
     else:
         plan = CachePlan.from_pretrained(spec, revision=options.pop("plan_revision", None))
-    return LoopKVCache(model, plan, tau=tau, max_rollback=max_rollback)
+    return LoopKVCache(model, plan, tau=tau, max_rollback=max_rollback, **static)

@@ -61,6 +61,9 @@ class ReadState:
         v_precision_tau (`float`, *optional*): LoopKV's V-precision threshold for INT4 history; None reads every
             low plane.
         v_precision_stats (`VPrecisionStats`, *optional*): where cold / history read counts go.
+        positions, static_valid, static_mask, length: a static cache's device-side write positions `[q]`, key
+            validity `[B, max_cache_len]` and visibility `[B, 1, q, max_cache_len]`, and its host length before the
+            forward (see `AttentionInputs`); None for a growable cache.
 
     Attributes:
         effective (`torch.LongTensor` of shape `[B, length + q + 1]` or None): per row, the position each stored
@@ -74,6 +77,10 @@ class ReadState:
     draft_loops: int | None = None
     v_precision_tau: float | None = None
     v_precision_stats: VPrecisionStats | None = None
+    positions: torch.Tensor | None = None
+    static_valid: torch.Tensor | None = None
+    static_mask: torch.Tensor | None = None
+    length: int | None = None
 
     @cached_property
     def effective(self) -> torch.Tensor | None:
