@@ -1,0 +1,166 @@
+"""Static `LoopCache`: preallocated storage and device-side lengths, so a decode step can be compiled and captured.
+
+Static greedy tokens equal the growable cache's (fp32, both architectures, batch 1 and a left-padded batch); the decode
+forward compiles with `fullgraph=True` (no graph break: no host read of a device value); crop, reset, row selection
+and self-speculative decoding work inside the static storage; on CUDA, `generate` replays a captured step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_loopcache
+from hf_loopcache import FullLoopCache, RIPECache, build_cache
+from tests.helpers import call_kwargs, make_model
+
+ARCHS = ["ouro", "huginn"]
+
+
+def _prompt(batch: int, padded: bool, length: int = 9, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, :4] = 0
+        ids[-1, :4] = 0
+    return ids, mask
+
+
+def _generate(model, arch, ids, mask, cache, new=8, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        pad_token_id=0, **call_kwargs(arch), **kwargs,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch,padded", [pytest.param(1, False, id="B1"), pytest.param(3, True, id="B3-leftpad")])
+def test_static_greedy_equals_dynamic(arch, batch, padded):
+    model = make_model(arch).float()
+    ids, mask = _prompt(batch, padded)
+    expected = _generate(model, arch, ids, mask, FullLoopCache(model))
+    cache = FullLoopCache(model, static=True, max_batch_size=4, max_cache_len=24)
+    assert cache.is_compileable
+    got = _generate(model, arch, ids, mask, cache)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == ids.shape[1] + 7
+    assert int(cache._length_t) == cache.get_seq_length()
+
+
+def test_build_cache_static_option_and_storage():
+    model = make_model("ouro").float()
+    cache = build_cache(model, "full", static=True, max_batch_size=2, max_cache_len=16)
+    assert cache.static and cache.get_max_cache_shape() == 16
+    ids, mask = _prompt(2, True)
+    _generate(model, "ouro", ids, mask, cache, new=3)
+    layout = model.loop_layout
+    k = cache.cells[0].k
+    assert k.shape == (2, layout.num_kv_heads, 16, layout.head_dim)
+    ptr = k.data_ptr()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and int(cache._length_t) == 0
+    again = _generate(model, "ouro", ids, mask, cache, new=3)  # a reset static cache keeps its storage
+    assert cache.cells[0].k.data_ptr() == ptr
+    assert torch.equal(again, _generate(model, "ouro", ids, mask, FullLoopCache(model), new=3))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_decode_step_compiles_fullgraph(arch, backend):
+    """One decode forward under `torch.compile(fullgraph=True)`: any `.item()`, host branch on a device value or
+    data-dependent shape would be a graph break (an error here); the logits equal the growable cache's."""
+    if arch == "huginn" and backend == "aot_eager":
+        pytest.skip("one architecture is enough for the aot_eager trace (CPU time)")
+    torch._dynamo.reset()
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    static, ref = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=16), FullLoopCache(model)
+    kwargs = call_kwargs(arch)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=static, **kwargs)
+        model(input_ids=ids, attention_mask=mask, cache=ref, **kwargs)
+        step = torch.compile(model.forward, fullgraph=True, backend=backend)
+        token = torch.tensor([[5], [7]])
+        grown = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = step(input_ids=token, attention_mask=grown[:, -1:], cache=static, **kwargs)
+        expected = model(input_ids=token, attention_mask=grown, cache=ref, **kwargs)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    assert int(static._length_t) == ids.shape[1] + 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_crop_then_continue(arch):
+    """Crop inside the static storage, then decode on: the same tokens as a growable cache cropped the same way."""
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    outs = []
+    for cache in (FullLoopCache(model), FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=32)):
+        first = _generate(model, arch, ids, mask, cache, new=6)
+        cache.crop(-3)
+        assert cache.get_seq_length() == ids.shape[1] + 5 - 3
+        keep = first[:, : cache.get_seq_length() + 1]
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        outs.append(_generate(model, arch, keep, grown, cache, new=5))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_static_self_speculative_lossless():
+    """Draft with fewer loops, roll back, verify a block, leave holes: inside the static storage, token-identical to
+    greedy decoding."""
+    model = make_model("ouro").float()
+    ids, mask = _prompt(2, True)
+    expected = _generate(model, "ouro", ids, mask, FullLoopCache(model), new=10)
+    cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=40)
+    got = _generate(
+        model, "ouro", ids, mask, cache, new=10, custom_generate=hf_loopcache.self_speculative, draft_loops=1,
+        block_size=3,
+    )
+    assert torch.equal(got, expected)
+
+
+def test_static_beam_search_rows_in_place():
+    model = make_model("ouro").float()
+    ids, mask = _prompt(1, False)
+    kw = dict(num_beams=3, max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
+    expected = model.generate(ids, cache=FullLoopCache(model), **kw)
+    cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=16)
+    assert torch.equal(model.generate(ids, cache=cache, **kw), expected)
+
+
+def test_static_errors():
+    model = make_model("ouro").float()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        FullLoopCache(model, static=True, max_batch_size=2)
+    with pytest.raises(ValueError, match="with `static=True`"):
+        FullLoopCache(model, max_cache_len=16)
+    with pytest.raises(ValueError, match="'share'"):
+        RIPECache(model, window=4, static=True, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="'int4'"):
+        build_cache(model, "loopkv:kivi4", group_size=8, static=True, max_batch_size=1, max_cache_len=16)
+    ids, mask = _prompt(3, False)
+    with pytest.raises(ValueError, match="max_batch_size=2"):
+        _generate(model, "ouro", ids, mask, FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=32))
+    ids, mask = _prompt(1, False)
+    with pytest.raises(ValueError, match="max_cache_len >= 16"):
+        _generate(model, "ouro", ids, mask, FullLoopCache(model, static=True, max_batch_size=1, max_cache_len=12))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_decode_equals_eager_cuda(arch):
+    """On CUDA, `generate` replays a captured one-token step (per batch size) with the same greedy tokens as eager
+    decoding of the static cache and of the growable cache (fp32)."""
+    model = make_model(arch).float().cuda()
+    ids, mask = (t.cuda() for t in _prompt(3, True))
+    expected = _generate(model, arch, ids, mask, FullLoopCache(model), new=12)
+    cache = FullLoopCache(model, static=True, max_batch_size=4, max_cache_len=32)
+    eager = _generate(model, arch, ids, mask, cache, new=12, disable_compile=True)
+    assert not cache.captured_steps()
+    cache.reset()
+    captured = _generate(model, arch, ids, mask, cache, new=12)
+    assert [step["batch"] for step in cache.captured_steps()] == [3]
+    cache.reset()
+    again = _generate(model, arch, ids, mask, cache, new=12)  # replays the graph captured above
+    assert len(cache.captured_steps()) == 1
+    assert torch.equal(eager, expected) and torch.equal(captured, expected) and torch.equal(again, expected)
