@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
-from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
+from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
@@ -63,7 +63,9 @@ class LoopCache(Cache):
         static (`bool`, *optional*, defaults to False): preallocate every cell for `max_batch_size` rows and
             `max_cache_len` positions and keep the write position and key validity as device tensors, so that a
             one-token decode step has the same shapes and addresses every step (`is_compileable`; captured in a CUDA
-            graph by `generate` on CUDA). Supported for plans whose cells are all `bf16` (`FullLoopCache`).
+            graph by `generate` on CUDA). Supported for plans of `bf16` and `share` cells without a sink
+            (`FullLoopCache`, `RIPECache`, `DeepestPlaneCache`); a shared cell keeps its own recent positions in a
+            ring sized by the window and `max_rollback` (`StaticSharedLayer`).
         max_batch_size (`int`, *optional*): rows of a static cache (required with `static=True`).
         max_cache_len (`int`, *optional*): positions of a static cache, prompt and generated tokens (required with
             `static=True`).
@@ -151,6 +153,14 @@ class LoopCache(Cache):
         if option == "share":
             if source is None:
                 raise ValueError(f"cell {cell} shares, but no source cell was given")
+            if self.static:
+                return StaticSharedLayer(
+                    source,  # type: ignore[arg-type]
+                    window=self.plan.window,
+                    page_size=self.plan.page_size,
+                    capacity=ring_capacity(self.plan.window, self.plan.page_size, self.max_rollback),
+                    max_batch_size=self.max_batch_size,  # type: ignore[arg-type]
+                )
             return SharedLayer(source, **sizes)
         return CodedLayer(4 if option == "int4" else 2, group_size=self.plan.group_size, **sizes)
 
@@ -337,7 +347,7 @@ class LoopCache(Cache):
     def _advance_host(self, query_length: int) -> None:
         """After a replayed decode step: the host lengths of the cells it wrote (every cell) advance."""
         for layer in self.cells:
-            layer.length += query_length
+            layer.advance(query_length)  # type: ignore[attr-defined]  # static layers only
 
     def _host_lengths(self) -> list[int]:
         return [layer.length for layer in self.cells]
@@ -414,6 +424,11 @@ class LoopCache(Cache):
         for layer in self.cells:
             if hasattr(layer, "rollback"):
                 layer.rollback = max_rollback
+            if isinstance(layer, StaticSharedLayer):
+                capacity = ring_capacity(layer.window, layer.page, max_rollback)
+                if capacity != layer.capacity:
+                    layer.resize(capacity)
+                    self._graphs.clear()  # the captured steps read the old rings
 
     def reserve(self, max_length: int) -> None:
         """Allocate every empty cell's storage for `max_length` positions at its first write (full-precision buffers,
@@ -473,9 +488,12 @@ def _check_static(plan: CachePlan, static: Any, max_batch_size: Any, max_cache_l
     for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int with `static=True`, got {value!r}")
-    options = sorted({plan.option(cell) for cell in plan.layout.cells()} - {"bf16"})
+    options = sorted({plan.option(cell) for cell in plan.layout.cells()} - {"bf16", "share"})
     if options:
         raise ValueError(
-            f"`static=True` supports plans whose cells are all 'bf16' (FullLoopCache); this plan also has "
-            f"{', '.join(repr(o) for o in options)} cells ({plan.summary()}); build it with `static=False`"
+            f"`static=True` supports plans whose cells are 'bf16' or 'share' (FullLoopCache, RIPECache, "
+            f"DeepestPlaneCache); this plan also has {', '.join(repr(o) for o in options)} cells ({plan.summary()}); "
+            f"build it with `static=False`"
         )
+    if plan.sink and "share" in plan.options.values():
+        raise ValueError(f"`static=True` supports shared cells without a sink; this plan has `sink={plan.sink}`")

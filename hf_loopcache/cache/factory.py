@@ -13,7 +13,8 @@ benchmarks, examples).
 | a Hub id `owner/name`| `LoopKVCache` with the repository's `loopcache_plan.json`            | tau, max_rollback, plan_revision  |
 
 Every spec also takes `static`, `max_batch_size` and `max_cache_len`: `static=True` builds the cache with preallocated
-storage and device-side lengths, so a decode step can be captured (`LoopCache`; plans of `bf16` cells only for now).
+storage and device-side lengths, so a decode step can be captured (`LoopCache`; full, ripe
+and deepest for now: LoopKV's coded cells are refused).
 
 Options are separate keywords, so lm-eval reads `cache=ripe,window=64` and the CLI `--cache ripe --window 64`. An
 option the spec does not take is refused (ValueError naming the allowed ones), never ignored.

@@ -11,10 +11,17 @@ import pytest
 import torch
 
 import hf_loopcache
-from hf_loopcache import FullLoopCache, RIPECache, build_cache
+from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, build_cache
 from tests.helpers import call_kwargs, make_model
 
 ARCHS = ["ouro", "huginn"]
+#: each cache's constructor, growable with no options and static with them; RIPE's window is short enough that the
+#: tests read the deepest plane, the ring and the window boundary
+CACHES = {
+    "full": lambda model, **kw: FullLoopCache(model, **kw),
+    "ripe3": lambda model, **kw: RIPECache(model, window=3, **kw),
+    "deepest": lambda model, **kw: DeepestPlaneCache(model, **kw),
+}
 
 
 def _prompt(batch: int, padded: bool, length: int = 9, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,13 +41,14 @@ def _generate(model, arch, ids, mask, cache, new=8, **kwargs):
     )
 
 
+@pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch,padded", [pytest.param(1, False, id="B1"), pytest.param(3, True, id="B3-leftpad")])
-def test_static_greedy_equals_dynamic(arch, batch, padded):
+def test_static_greedy_equals_dynamic(arch, batch, padded, name):
     model = make_model(arch).float()
     ids, mask = _prompt(batch, padded)
-    expected = _generate(model, arch, ids, mask, FullLoopCache(model))
-    cache = FullLoopCache(model, static=True, max_batch_size=4, max_cache_len=24)
+    expected = _generate(model, arch, ids, mask, CACHES[name](model))
+    cache = CACHES[name](model, static=True, max_batch_size=4, max_cache_len=24)
     assert cache.is_compileable
     got = _generate(model, arch, ids, mask, cache)
     assert torch.equal(got, expected)
@@ -89,13 +97,16 @@ def test_static_decode_step_compiles_fullgraph(arch, backend):
     assert int(static._length_t) == ids.shape[1] + 1
 
 
+@pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_static_crop_then_continue(arch):
-    """Crop inside the static storage, then decode on: the same tokens as a growable cache cropped the same way."""
+def test_static_crop_then_continue(arch, name):
+    """Crop inside the static storage (within the rollback reserve), then decode on: the same tokens as a growable
+    cache cropped the same way."""
     model = make_model(arch).float()
     ids, mask = _prompt(2, True)
     outs = []
-    for cache in (FullLoopCache(model), FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=32)):
+    make = CACHES[name] if name == "full" else (lambda model, **kw: CACHES[name](model, max_rollback=3, **kw))
+    for cache in (make(model), make(model, static=True, max_batch_size=2, max_cache_len=32)):
         first = _generate(model, arch, ids, mask, cache, new=6)
         cache.crop(-3)
         assert cache.get_seq_length() == ids.shape[1] + 5 - 3
@@ -105,13 +116,14 @@ def test_static_crop_then_continue(arch):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_static_self_speculative_lossless():
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_static_self_speculative_lossless(name):
     """Draft with fewer loops, roll back, verify a block, leave holes: inside the static storage, token-identical to
-    greedy decoding."""
+    greedy decoding (RIPE with `W >= gamma`: Proposition 1)."""
     model = make_model("ouro").float()
     ids, mask = _prompt(2, True)
-    expected = _generate(model, "ouro", ids, mask, FullLoopCache(model), new=10)
-    cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=40)
+    expected = _generate(model, "ouro", ids, mask, CACHES[name](model), new=10)
+    cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=40)
     got = _generate(
         model, "ouro", ids, mask, cache, new=10, custom_generate=hf_loopcache.self_speculative, draft_loops=1,
         block_size=3,
@@ -134,8 +146,8 @@ def test_static_errors():
         FullLoopCache(model, static=True, max_batch_size=2)
     with pytest.raises(ValueError, match="with `static=True`"):
         FullLoopCache(model, max_cache_len=16)
-    with pytest.raises(ValueError, match="'share'"):
-        RIPECache(model, window=4, static=True, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="without a sink"):
+        RIPECache(model, window=4, sink=2, static=True, max_batch_size=1, max_cache_len=16)
     with pytest.raises(ValueError, match="'int4'"):
         build_cache(model, "loopkv:kivi4", group_size=8, static=True, max_batch_size=1, max_cache_len=16)
     ids, mask = _prompt(3, False)
@@ -147,14 +159,15 @@ def test_static_errors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_captured_decode_equals_eager_cuda(arch):
+def test_captured_decode_equals_eager_cuda(arch, name):
     """On CUDA, `generate` replays a captured one-token step (per batch size) with the same greedy tokens as eager
     decoding of the static cache and of the growable cache (fp32)."""
     model = make_model(arch).float().cuda()
     ids, mask = (t.cuda() for t in _prompt(3, True))
-    expected = _generate(model, arch, ids, mask, FullLoopCache(model), new=12)
-    cache = FullLoopCache(model, static=True, max_batch_size=4, max_cache_len=32)
+    expected = _generate(model, arch, ids, mask, CACHES[name](model), new=12)
+    cache = CACHES[name](model, static=True, max_batch_size=4, max_cache_len=32)
     eager = _generate(model, arch, ids, mask, cache, new=12, disable_compile=True)
     assert not cache.captured_steps()
     cache.reset()

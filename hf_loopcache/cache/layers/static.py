@@ -14,7 +14,14 @@ from hf_loopcache.cache.layers.base import LoopLayerBase
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
 
-__all__ = ["StaticDenseLayer", "static_mask"]
+__all__ = ["StaticDenseLayer", "StaticSharedLayer", "effective_storage", "ring_capacity", "static_mask"]
+
+
+def ring_capacity(window: int, page_size: int, rollback: int) -> int:
+    """Ring positions of a static shared cell: `(W + P) * (R + 1) + R + 1` with `R = rollback`. Decoding (`R = 0`)
+    needs `W + P`; a verified block of `R + 1` tokens and a crop of up to `R` need `W + P - 1 + (R + 1)`; a row whose
+    rejected draft tokens left holes in its window spans up to `(R + 1)` storage positions per real token."""
+    return (window + page_size) * (rollback + 1) + rollback + 1
 
 
 def static_mask(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -87,6 +94,10 @@ class StaticDenseLayer(LoopLayerBase):
                 )
             return read.positions
         return torch.arange(self.length, self.length + q, device=self.device)
+
+    def advance(self, query_length: int) -> None:
+        """Host bookkeeping of a replayed step that wrote `query_length` positions."""
+        self.length += query_length
 
     # ------------------------------------------------------------------ read and write
     def update(self, key_states, value_states, *args, **kwargs):
@@ -195,3 +206,251 @@ class StaticDenseLayer(LoopLayerBase):
             return 0
         per_position = self.k[: self.rows, :, :1].numel() * self.k.element_size() * 2
         return per_position * self.length
+
+
+def effective_storage(valid: torch.Tensor) -> torch.Tensor:
+    """`[B, max_len]`: each storage position with the row's holes before it left out (`effective_positions`, on the
+    device and without the host test for holes: without holes it is the storage position)."""
+    seen = valid.long().cummax(dim=1).values.bool()
+    holes = (seen & ~valid).long()
+    return torch.arange(valid.shape[1], device=valid.device)[None] - (holes.cumsum(1) - holes)
+
+
+class StaticSharedLayer(LoopLayerBase):
+    """A shared cell (option `share`) of a static cache: its history is read from a `StaticDenseLayer` source in place,
+    its own recent positions live in a ring of `capacity` positions (position `p` in slot `p % capacity`), so the
+    storage never moves. The reading rule is `WindowedLayer`'s: the query at `t` reads `[0, H(t))` from the source
+    (`H` in the row's effective positions, clipped to what the source holds) and `[H(t), t]` from the ring, where
+    `H(t) = P * floor(max(0, t - W) / P)`; every mask is computed on the device from the forward's positions and key
+    validity. A position the ring no longer holds (older than `capacity` positions, or cut by a `crop` deeper than the
+    rollback reserve) is read from the source, as the growable `SharedLayer` does after a deep crop.
+
+    Args:
+        source (`StaticDenseLayer`): the final loop's cell of the same layer.
+        window (`int`), page_size (`int`): `W` and `P` of the plan (no sink).
+        capacity (`int`): ring positions, at least `W + P - 1 + max(q, rollback)` for exact reads of `q`-token forwards
+            and crops of up to `rollback` positions (`LoopCache` sizes it).
+        max_batch_size (`int`): rows of the ring.
+    """
+
+    is_compileable = True
+
+    def __init__(self, source: StaticDenseLayer, *, window: int, page_size: int, capacity: int, max_batch_size: int):
+        super().__init__()
+        if not isinstance(source, StaticDenseLayer):
+            raise TypeError(f"`source` of a static shared cell must be a StaticDenseLayer, got {type(source).__name__}")
+        self.source, self.window, self.page = source, window, page_size
+        self.capacity, self.max_batch_size = capacity, max_batch_size
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.high = 0  # one past the highest position written since the last reset (host)
+        self.own_start = 0  # ring positions below this are not read (host mirror of `own_start_t`)
+        self.own_start_t: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ storage
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows = key_states.shape[0]
+        if rows > self.max_batch_size:
+            raise ValueError(
+                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_batch_size}`"
+            )
+        super().lazy_initialization(key_states, value_states)
+        shape = (self.max_batch_size, key_states.shape[1], self.capacity, key_states.shape[3])
+        k = self.k
+        if k is None or k.shape != shape or k.dtype != key_states.dtype or k.device != key_states.device:
+            self.k = key_states.new_zeros(shape)
+            self.v = value_states.new_zeros(shape)
+            self.own_start_t = torch.zeros((), dtype=torch.long, device=key_states.device)
+            self.own_start_t.fill_(self.own_start)
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.k is not None and self.v is not None  # noqa: S101 - allocated by the first write
+        return self.k[: self.rows], self.v[: self.rows]
+
+    def boundary(self, effective: torch.Tensor) -> torch.Tensor:
+        """`H` of effective positions (any shape)."""
+        return self.page * ((effective - self.window).clamp(min=0) // self.page)
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        q = key.shape[2]
+        if q > self.capacity:  # a prefill into an empty cell: only the last `capacity` positions are ever read here
+            key, value, positions = key[:, :, -self.capacity :], value[:, :, -self.capacity :], positions[-self.capacity :]
+        k, v = self._views()
+        slots = positions % self.capacity
+        k.index_copy_(2, slots, key.to(k.dtype))
+        v.index_copy_(2, slots, value.to(v.dtype))
+        self.length += q
+        self.high = max(self.high, self.length)
+
+    def advance(self, query_length: int) -> None:
+        """Host bookkeeping of a replayed step that wrote `query_length` positions."""
+        self.length += query_length
+        self.high = max(self.high, self.length)
+
+    # ------------------------------------------------------------------ read and write
+    def attend(self, query, key, value, read):
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        length, q = self.length, key.shape[2]
+        if read.static_valid is None:
+            raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
+        if length and q > self.capacity - (self.window + self.page - 1):
+            raise ValueError(
+                f"a static RIPE cell reads blocks of at most {self.capacity - self.window - self.page + 1} tokens after "
+                f"the prefill (its ring holds {self.capacity} positions), got {q}; build the cache with a larger "
+                f"`max_rollback`"
+            )
+        if read.positions is not None:
+            if read.length is not None and read.length != length:
+                raise ValueError(
+                    f"a static cache writes every cell of a forward at the same positions, but this cell holds "
+                    f"{length} positions and the cache {read.length}; roll a partial-depth draft back "
+                    f"(`cache.rollback`) before a forward that runs deeper loops"
+                )
+            positions = read.positions
+        else:
+            positions = torch.arange(length, length + q, device=self.device)
+        self._write(key, value, positions)
+        if length == 0:  # nothing cached: plain causal attention over the new tokens (as every cell computes it)
+            return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
+        valid = read.static_valid[: self.rows]
+        # what the source holds: all `length` positions in a complete forward (written later in it), else its own
+        src_limit = positions[:1] if read.complete else min(length, self.source.length)
+        return self._read(query, positions, valid, src_limit, read.scaling)
+
+    def _read(self, query, positions, valid, src_limit, scaling):
+        eff = effective_storage(valid)  # [B, L]
+        b, hq, q_len, d = query.shape
+        end = positions[-1:] + 1  # [1]: one past the last position written
+        h = self.boundary(eff.index_select(1, positions))  # [B, q]
+        stored = (eff[:, None, :] < h[:, :, None]).sum(-1)  # [B, q]: storage boundary (eff is non-decreasing)
+        hist_end = torch.minimum(stored, torch.as_tensor(src_limit, device=eff.device))
+        hist_end = torch.maximum(hist_end, torch.maximum(self.own_start_t, end - self.capacity))  # [B, q]
+        j = torch.arange(valid.shape[1], device=valid.device)
+        src_mask = (j[None, None, :] < hist_end[..., None]) & valid[:, None, :]  # [B, q, L]
+        slots = torch.arange(self.capacity, device=valid.device)
+        absolute = end - 1 - (end - 1 - slots) % self.capacity  # [C]: the position each slot holds
+        t = positions[None, :, None]
+        own_valid = valid.gather(1, absolute.clamp(min=0)[None].expand(valid.shape[0], -1))  # [B, C]
+        own_mask = (
+            (absolute[None, None, :] >= hist_end[..., None])
+            & (absolute[None, None, :] <= t)
+            & (own_valid[:, None, :] | (absolute[None, None, :] == t))
+            & (absolute >= 0)[None, None, :]
+        )  # [B, q, C]
+        sk, sv = self.source._views()
+        rk, rv = self._views()
+        hkv = rk.shape[1]
+        groups = hq // hkv
+        acc = torch.promote_types(query.dtype, torch.float32)
+        q32 = query.reshape(b, hkv, groups * q_len, d)
+
+        def scores(keys, mask):
+            s = torch.matmul(q32, keys.transpose(-1, -2)).to(acc) * scaling  # [B, Hkv, G*q, n]
+            m = mask[:, None, None].expand(b, 1, groups, q_len, mask.shape[-1]).reshape(b, 1, groups * q_len, -1)
+            return s.masked_fill(~m, float("-inf"))
+
+        s_src, s_own = scores(sk, src_mask), scores(rk, own_mask)
+        peak = torch.maximum(s_src.amax(-1), s_own.amax(-1))  # finite: every query sees itself
+        p_src, p_own = torch.exp(s_src - peak[..., None]), torch.exp(s_own - peak[..., None])
+        denom = p_src.sum(-1) + p_own.sum(-1)
+        out = torch.matmul(p_src.to(sv.dtype), sv).to(acc) + torch.matmul(p_own.to(rv.dtype), rv).to(acc)
+        out = out / denom[..., None]
+        return out.reshape(b, hq, q_len, d).to(query.dtype)
+
+    # ------------------------------------------------------------------ plain path and inspection
+    def _states(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored positions `[0, length)` as the query at `t >= length` (no holes, no new positions) reads them:
+        the source up to the history end, the ring after it (the plain path and inspection, not the read path)."""
+        n = self.length
+        end = max(self.own_start, n + 1 - self.capacity, min(self.page * (max(0, t - self.window) // self.page),
+                                                           self.source.length, n))
+        end = min(end, n)
+        sk, sv = self.source.history_view(0, end)
+        rk, rv = self._views()
+        slots = torch.arange(end, n, device=rk.device) % self.capacity
+        return torch.cat([sk, rk.index_select(2, slots)], dim=2), torch.cat([sv, rv.index_select(2, slots)], dim=2)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        k, v = self._states(self.length + q - 1) if self.length else (key_states[:, :, :0], value_states[:, :, :0])
+        self._write(key_states, value_states, torch.arange(self.length, self.length + q, device=self.device))
+        return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
+
+    def full_states(self):
+        if self.length == 0:
+            raise ValueError("this cell holds no positions yet")
+        return self._states(self.length)
+
+    # ------------------------------------------------------------------ crop, batch, bytes
+    def truncate(self, length: int) -> None:
+        """Keep `[0, length)`; ring positions from before the last `capacity` written are no longer read (the source
+        serves them)."""
+        if length >= self.length:
+            return
+        self.length = max(0, length)
+        self.own_start = min(max(self.own_start, self.high - self.capacity), self.length)
+        self.high = self.length
+        if self.own_start_t is not None:
+            self.own_start_t.fill_(self.own_start)
+
+    def resize(self, capacity: int) -> None:
+        """A ring of `capacity` positions, keeping the positions it holds that fit (a larger rollback reserve)."""
+        if capacity == self.capacity:
+            return
+        old_k, old_v, old_capacity = self.k, self.v, self.capacity
+        self.capacity = capacity
+        if old_k is None or old_v is None:
+            return
+        self.k = old_k.new_zeros((*old_k.shape[:2], capacity, old_k.shape[3]))
+        self.v = old_v.new_zeros((*old_v.shape[:2], capacity, old_v.shape[3]))
+        first = max(self.own_start, self.length - min(capacity, old_capacity))
+        held = torch.arange(first, self.length, device=old_k.device)
+        self.k.index_copy_(2, held % capacity, old_k.index_select(2, held % old_capacity))
+        self.v.index_copy_(2, held % capacity, old_v.index_select(2, held % old_capacity))
+        self.own_start, self.high = first, self.length
+        if self.own_start_t is not None:
+            self.own_start_t.fill_(first)
+
+    def reset(self) -> None:
+        self.length = self.high = self.own_start = 0
+        if self.own_start_t is not None:
+            self.own_start_t.zero_()
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        return self.source.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.source.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.source.max_cache_len
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        rows = int(index.shape[0])
+        if rows > self.max_batch_size:
+            raise ValueError(
+                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_batch_size}`"
+            )
+        if self.k is not None and self.v is not None:
+            index = index.to(self.k.device)
+            k, v = self.k[: self.rows].index_select(0, index), self.v[: self.rows].index_select(0, index)
+            self.k[:rows].copy_(k)
+            self.v[:rows].copy_(v)
+        self.rows = rows
+
+    def _map_batch(self, fn):
+        raise NotImplementedError("a static cell changes rows with `select_batch` only (in place)")
+
+    def allocated_bytes(self) -> int:
+        if self.k is None or self.v is None:
+            return 0
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def stored_bytes(self) -> int:
+        if self.k is None:
+            return 0
+        per_position = self.k[: self.rows, :, :1].numel() * self.k.element_size() * 2
+        return per_position * min(self.length, self.capacity)
