@@ -311,6 +311,11 @@ class LoopCache(Cache):
         if attention_mask is None:
             valid.index_fill_(1, positions, True)
         else:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ValueError(
+                    f"a static cache takes a 2-D padding `attention_mask` [batch, past + new], got "
+                    f"{type(attention_mask).__name__}"
+                )
             width = attention_mask.shape[-1]
             if attention_mask.dim() != 2 or width not in (q, length + q):
                 raise ValueError(
