@@ -410,6 +410,11 @@ class LoopCache(Cache):
         shared_first = sorted(self.cells, key=lambda layer: not isinstance(layer, SharedLayer))
         for layer in shared_first:
             layer.truncate(min(layer.get_seq_length(), length))
+        rings = [layer for layer in self.cells if isinstance(layer, StaticSharedLayer)]
+        if rings:  # one reserve start for every ring, so a forward computes the shared cells' masks once
+            own_start = min(max(layer.own_start for layer in rings), min(layer.length for layer in rings))
+            for layer in rings:
+                layer.set_own_start(own_start)
         self._sync_device_length()
 
     def loop_lengths(self) -> list[int]:

@@ -8,7 +8,7 @@ nothing else: not on the container, not on other cells (a shared cell reads its 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,7 @@ class ReadState:
     static_valid: torch.Tensor | None = None
     static_mask: torch.Tensor | None = None
     length: int | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-forward values cells share (masks)
 
     @cached_property
     def effective(self) -> torch.Tensor | None:

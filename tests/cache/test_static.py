@@ -184,3 +184,17 @@ def test_captured_decode_equals_eager_cuda(arch, name):
     again = _generate(model, arch, ids, mask, cache, new=12)  # replays the graph captured above
     assert len(cache.captured_steps()) == 1
     assert torch.equal(eager, expected) and torch.equal(captured, expected) and torch.equal(again, expected)
+
+
+def test_static_dense_read_methods_agree(monkeypatch):
+    """The dense read as `scaled_dot_product_attention` with the boolean mask and as `masked_attention` (the same
+    helper shared cells use) give the growable cache's tokens."""
+    from hf_loopcache.cache.layers.static import StaticDenseLayer
+
+    model = make_model("ouro").float()
+    ids, mask = _prompt(3, True)
+    expected = _generate(model, "ouro", ids, mask, FullLoopCache(model))
+    for method in ("sdpa", "matmul"):
+        monkeypatch.setattr(StaticDenseLayer, "read_method", method)
+        cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=24)
+        assert torch.equal(_generate(model, "ouro", ids, mask, cache), expected)

@@ -24,6 +24,43 @@ def ring_capacity(window: int, page_size: int, rollback: int) -> int:
     return (window + page_size) * (rollback + 1) + rollback + 1
 
 
+def masked_attention(
+    query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, scaling: float
+) -> torch.Tensor:
+    """One softmax over key/value segments, each with its own visibility; scores and softmax in fp32.
+
+    Args:
+        query (`torch.Tensor` of shape `[B, H_q, q, D]`).
+        segments: `(keys, values, mask)` with keys/values `[B, H_kv, n, D]` and mask `[B, 1, G * q, n]` bool
+            (`G = H_q / H_kv`, rows ordered group-major as `query.reshape(B, H_kv, G * q, D)`); every query must see
+            at least one key.
+
+    Returns:
+        `torch.Tensor` of shape `[B, H_q, q, D]` in the dtype of `query`.
+    """
+    b, hq, q_len, d = query.shape
+    hkv = segments[0][0].shape[1]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    q_rows = query.reshape(b, hkv, hq // hkv * q_len, d)
+    scores = [
+        (torch.matmul(q_rows, k.transpose(-1, -2)).to(acc) * scaling).masked_fill(~m, float("-inf"))
+        for k, _, m in segments
+    ]
+    peak = torch.stack([s.amax(-1) for s in scores], dim=-1).amax(-1, keepdim=True)
+    probs = [torch.exp(s - peak) for s in scores]
+    denom = sum(p.sum(-1, keepdim=True) for p in probs)
+    out = sum(torch.matmul(p.to(v.dtype), v).to(acc) for p, (_, v, _) in zip(probs, segments))
+    return (out / denom).reshape(b, hq, q_len, d).to(query.dtype)
+
+
+def group_rows(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """`[B, 1, q, n]` -> `[B, 1, G * q, n]`, the row order of `masked_attention`."""
+    if groups == 1:
+        return mask
+    b, _, q_len, n = mask.shape
+    return mask[:, :, None].expand(b, 1, groups, q_len, n).reshape(b, 1, groups * q_len, n)
+
+
 def static_mask(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Visibility `[B, 1, q, max_len]` of every storage position to the queries at storage `positions` `[q]`: causal
     and real (`valid` `[B, max_len]`), or the query's own position (a padded query attends to itself only)."""
@@ -47,6 +84,9 @@ class StaticDenseLayer(LoopLayerBase):
     """
 
     is_compileable = True
+    #: how a read over the storage is computed: `"sdpa"` (`scaled_dot_product_attention` with the boolean mask) or
+    #: `"matmul"` (`masked_attention`: two matmuls and an fp32 softmax)
+    read_method = "sdpa"
 
     def __init__(self, max_batch_size: int, max_cache_len: int) -> None:
         super().__init__()
@@ -123,6 +163,8 @@ class StaticDenseLayer(LoopLayerBase):
                 raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
             mask = static_mask(positions, read.static_valid[: self.rows])
         groups = query.shape[1] // k.shape[1]
+        if self.read_method == "matmul":
+            return masked_attention(query, [(k, v, group_rows(mask, groups))], scaling=read.scaling)
         return F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, scale=read.scaling, enable_gqa=groups > 1
         ).to(query.dtype)
@@ -316,11 +358,13 @@ class StaticSharedLayer(LoopLayerBase):
         valid = read.static_valid[: self.rows]
         # what the source holds: all `length` positions in a complete forward (written later in it), else its own
         src_limit = positions[:1] if read.complete else min(length, self.source.length)
-        return self._read(query, positions, valid, src_limit, read.scaling)
+        return self._read(query, positions, valid, src_limit, read)
 
-    def _read(self, query, positions, valid, src_limit, scaling):
+    def _masks(self, positions, valid, src_limit, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Visibility of the source's storage `[B, 1, G * q, max_len]` and of the ring `[B, 1, G * q, capacity]` to
+        the queries at `positions`; the same for every shared cell of the forward (same window, page, ring size and
+        reserve start), so computed once per forward."""
         eff = effective_storage(valid)  # [B, L]
-        b, hq, q_len, d = query.shape
         end = positions[-1:] + 1  # [1]: one past the last position written
         h = self.boundary(eff.index_select(1, positions))  # [B, q]
         stored = (eff[:, None, :] < h[:, :, None]).sum(-1)  # [B, q]: storage boundary (eff is non-decreasing)
@@ -338,25 +382,18 @@ class StaticSharedLayer(LoopLayerBase):
             & (own_valid[:, None, :] | (absolute[None, None, :] == t))
             & (absolute >= 0)[None, None, :]
         )  # [B, q, C]
+        return group_rows(src_mask[:, None], groups), group_rows(own_mask[:, None], groups)
+
+    def _read(self, query, positions, valid, src_limit, read):
         sk, sv = self.source._views()
         rk, rv = self._views()
-        hkv = rk.shape[1]
-        groups = hq // hkv
-        acc = torch.promote_types(query.dtype, torch.float32)
-        q32 = query.reshape(b, hkv, groups * q_len, d)
-
-        def scores(keys, mask):
-            s = torch.matmul(q32, keys.transpose(-1, -2)).to(acc) * scaling  # [B, Hkv, G*q, n]
-            m = mask[:, None, None].expand(b, 1, groups, q_len, mask.shape[-1]).reshape(b, 1, groups * q_len, -1)
-            return s.masked_fill(~m, float("-inf"))
-
-        s_src, s_own = scores(sk, src_mask), scores(rk, own_mask)
-        peak = torch.maximum(s_src.amax(-1), s_own.amax(-1))  # finite: every query sees itself
-        p_src, p_own = torch.exp(s_src - peak[..., None]), torch.exp(s_own - peak[..., None])
-        denom = p_src.sum(-1) + p_own.sum(-1)
-        out = torch.matmul(p_src.to(sv.dtype), sv).to(acc) + torch.matmul(p_own.to(rv.dtype), rv).to(acc)
-        out = out / denom[..., None]
-        return out.reshape(b, hq, q_len, d).to(query.dtype)
+        groups = query.shape[1] // rk.shape[1]
+        key = ("static-shared", self.window, self.page, self.capacity, groups,
+               src_limit if isinstance(src_limit, int) else "complete")
+        masks = read.memo.get(key)
+        if masks is None:
+            masks = read.memo[key] = self._masks(positions, valid, src_limit, groups)
+        return masked_attention(query, [(sk, sv, masks[0]), (rk, rv, masks[1])], scaling=read.scaling)
 
     # ------------------------------------------------------------------ plain path and inspection
     def _states(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,6 +432,12 @@ class StaticSharedLayer(LoopLayerBase):
         self.high = self.length
         if self.own_start_t is not None:
             self.own_start_t.fill_(self.own_start)
+
+    def set_own_start(self, own_start: int) -> None:
+        """Read ring positions from `own_start` on (older ones from the source)."""
+        self.own_start = own_start
+        if self.own_start_t is not None:
+            self.own_start_t.fill_(own_start)
 
     def resize(self, capacity: int) -> None:
         """A ring of `capacity` positions, keeping the positions it holds that fit (a larger rollback reserve)."""
