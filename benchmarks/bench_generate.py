@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.common import build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
+from hf_loopcache.cache.layers.static import StaticDenseLayer
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
     "full": lambda model, **kw: FullLoopCache(model, **kw),
@@ -129,6 +130,7 @@ def run_one(
         "shape": shape,
         "cache": cache_name,
         "mode": "peer" if peer else mode,
+        "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -235,9 +237,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="looped-cache modes: growable eager, static eager, static with the captured decode step")
     parser.add_argument("--static", action="store_true", help="add the `static` mode")
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
+    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "matmul"),
+                        help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     args = parser.parse_args(argv)
     modes = [m for m in MODES if m in args.modes or (m == "static" and args.static) or (m == "graph" and args.graph)]
     reference: dict[tuple, torch.Tensor] = {}
+    StaticDenseLayer.read_method = args.static_read
     device = args.device
     dtype = getattr(torch, args.dtype)
     rows = []

@@ -165,7 +165,7 @@ def test_static_errors():
         _generate(model, "ouro", ids, mask, FullLoopCache(model, static=True, max_batch_size=1, max_cache_len=12))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_captured_decode_equals_eager_cuda(arch, name):
