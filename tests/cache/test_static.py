@@ -198,3 +198,27 @@ def test_static_dense_read_methods_agree(monkeypatch):
         monkeypatch.setattr(StaticDenseLayer, "read_method", method)
         cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=24)
         assert torch.equal(_generate(model, "ouro", ids, mask, cache), expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_ripe_ring_grows_with_the_rollback_reserve(arch):
+    """`set_max_rollback` on a static RIPE cache that holds positions resizes every ring and keeps what it holds:
+    decoding on, and cropping within the new reserve, match a growable RIPE cache given the same reserve."""
+    from hf_loopcache.cache.layers.static import StaticSharedLayer, ring_capacity
+
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    outs = []
+    for cache in (RIPECache(model, window=3), RIPECache(model, window=3, static=True, max_batch_size=2, max_cache_len=40)):
+        first = _generate(model, arch, ids, mask, cache, new=5)
+        cache.set_max_rollback(4)
+        keep = first
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        second = _generate(model, arch, keep, grown, cache, new=6)
+        cache.crop(-4)
+        keep = second[:, : cache.get_seq_length() + 1]
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        outs.append(_generate(model, arch, keep, grown, cache, new=4))
+    rings = [layer for layer in cache.cells if isinstance(layer, StaticSharedLayer)]
+    assert rings and all(layer.capacity == ring_capacity(3, 1, 4) for layer in rings)
+    assert torch.equal(outs[0], outs[1])
