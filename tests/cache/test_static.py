@@ -7,6 +7,8 @@ and self-speculative decoding work inside the static storage; on CUDA, `generate
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -222,3 +224,29 @@ def test_static_ripe_ring_grows_with_the_rollback_reserve(arch):
     rings = [layer for layer in cache.cells if isinstance(layer, StaticSharedLayer)]
     assert rings and all(layer.capacity == ring_capacity(3, 1, 4) for layer in rings)
     assert torch.equal(outs[0], outs[1])
+
+
+@functools.cache
+def _fixture(name: str):
+    model, tok = hf_loopcache.load_fixture(name)
+    return model.float(), tok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("fixture", ["tiny-ouro", "tiny-huginn"])
+def test_static_greedy_equals_dynamic_on_the_fixtures(fixture, name):
+    """The shipped (trained) fixtures, fp32, real text: a batch of one and a left-padded batch of three, 12 new
+    tokens; RIPE's window (3) is short enough that the history is read from the deepest plane."""
+    model, tok = _fixture(fixture)
+    # Huginn at 4 recurrent steps (a call-time loop count; the caches are built for it) to keep the test short
+    kwargs, loops = ({"init_scale": 0.0, "num_steps": 4}, {"num_loops": 4}) if fixture == "tiny-huginn" else ({}, {})
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for texts in (["The cat sat on the"], ["The cat sat on the", "Once upon a time there was a", "In the"]):
+        enc = tok(texts, return_tensors="pt", padding=True)
+        gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=pad, **kwargs)
+        expected = model.generate(**enc, cache=CACHES[name](model, **loops), **gen)
+        length = enc["input_ids"].shape[1] + 12
+        cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=length, **loops)
+        assert torch.equal(model.generate(**enc, cache=cache, **gen), expected)
