@@ -49,13 +49,38 @@ class DecodeGraphs:
     def __init__(self, model: Any) -> None:
         self.model = model
 
+    # ---------------------------------------------------------------- the device side (CUDA graphs)
+    def _capturable(self, ids: torch.Tensor) -> bool:
+        return ids.device.type == "cuda" and torch.cuda.is_available()
+
+    def _warm_up(self, fn: Any) -> Any:
+        """Run `fn` eagerly on a side stream (as CUDA graph capture wants it) and return its result."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def _record(self, fn: Any, cache: Any) -> tuple[Any, Any]:
+        """Capture `fn` (recorded, not run: the cache is unchanged) into a CUDA graph; returns the graph and `fn`'s
+        output, which every replay overwrites."""
+        if getattr(cache, "_graph_pool", None) is None:
+            cache._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=cache._graph_pool):
+            out = fn()
+        torch.cuda.synchronize()
+        return graph, out
+
+    # ---------------------------------------------------------------- the host side
     def _key(self, cache: Any, kwargs: dict[str, Any]) -> tuple | None:
         """The graph key of a call, or None if the call must run eagerly."""
-        if not (getattr(cache, "static", False) and torch.cuda.is_available()):
+        if not getattr(cache, "static", False):
             return None
         ids = kwargs.get("input_ids")
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or ids.device.type != "cuda":
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or not self._capturable(ids):
             return None
         if kwargs.get("inputs_embeds") is not None or kwargs.get("output_attentions") or kwargs.get(
             "output_hidden_states"
@@ -111,24 +136,16 @@ class DecodeGraphs:
         start = time.perf_counter()
         ids, mask, pos = kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids")
         entry = _Captured(
-            graph=torch.cuda.CUDAGraph(),
+            graph=None,
             input_ids=ids.clone(),
             attention_mask=None if mask is None else mask[:, -1:].clone(),
             position_ids=None if pos is None else pos.reshape(ids.shape[0], 1).clone(),
         )
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the warm-up is this step, run eagerly (it writes the cache)
-            out = self._forward(entry, cache, kwargs)
-            logits = out.logits.clone()
-        torch.cuda.current_stream().wait_stream(stream)
+        # the warm-up is this step, run eagerly (it writes the cache)
+        logits = self._warm_up(lambda: self._forward(entry, cache, kwargs).logits.clone())
         lengths = cache._host_lengths()
-        if getattr(cache, "_graph_pool", None) is None:
-            cache._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(entry.graph, pool=cache._graph_pool):  # recorded, not run: the cache is unchanged
-            entry.logits = self._forward(entry, cache, kwargs).logits
-        cache._restore_host_lengths(lengths)
+        entry.graph, entry.logits = self._record(lambda: self._forward(entry, cache, kwargs).logits, cache)
+        cache._restore_host_lengths(lengths)  # the recording ran the host side of the step once more
         cache._graphs[key] = entry
-        torch.cuda.synchronize()
         entry.capture_s = time.perf_counter() - start
         return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})

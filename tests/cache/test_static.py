@@ -250,3 +250,65 @@ def test_static_greedy_equals_dynamic_on_the_fixtures(fixture, name):
         length = enc["input_ids"].shape[1] + 12
         cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=length, **loops)
         assert torch.equal(model.generate(**enc, cache=cache, **gen), expected)
+
+
+class _ReplayedStep:
+    """A stand-in for a CUDA graph on the CPU: a replay reruns the recorded step with the host state (every cell's
+    host length) frozen at its recording, as a real graph replays kernels whose host-side arguments were fixed then;
+    only device state (tensors) moves on. A step that read a host length would go wrong here as on the GPU."""
+
+    def __init__(self, fn, out, cache):
+        self.fn, self.out, self.cache = fn, out, cache
+        self.lengths = cache._host_lengths()
+        self.replays = 0
+
+    def replay(self):
+        now = self.cache._host_lengths()
+        self.cache._restore_host_lengths(self.lengths)
+        with torch.no_grad():
+            self.out.copy_(self.fn())
+        self.cache._restore_host_lengths(now)
+        self.replays += 1
+
+
+def _device_state(cache):
+    tensors = [cache._length_t, cache._valid_t]
+    for layer in cache.cells:
+        tensors += [getattr(layer, name) for name in ("k", "v", "own_start_t") if getattr(layer, name, None) is not None]
+    return tensors
+
+
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_graphs_runner_with_a_replay_stand_in(monkeypatch, arch, name):
+    """`generate`'s compiled call (`DecodeGraphs`) on the CPU with recording and replay stood in for: one recording
+    per batch size, replays for every later step, a reset cache reuses its recordings, and the tokens equal eager
+    decoding; the recording itself leaves the cache as it was."""
+    from transformers import CompileConfig
+
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    def record(self, fn, cache):
+        before = [t.clone() for t in _device_state(cache)]
+        with torch.no_grad():
+            out = fn()
+        for t, saved in zip(_device_state(cache), before):  # recording runs nothing on a real device
+            t.copy_(saved)
+        return _ReplayedStep(fn, out, cache), out
+
+    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    model = make_model(arch).float()
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers' switch to take the compiled call off CUDA
+    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=32)
+    for batch, padded in ((3, True), (1, False), (3, True)):
+        ids, mask = _prompt(batch, padded, seed=batch)
+        expected = _generate(model, arch, ids, mask, CACHES[name](model), new=9)
+        cache.reset()
+        got = _generate(model, arch, ids, mask, cache, new=9, compile_config=config)
+        assert torch.equal(got, expected)
+    assert sorted(step["batch"] for step in cache.captured_steps()) == [1, 3]
+    replays = sorted(entry.graph.replays for entry in cache._graphs.values())
+    assert replays == [7, 15]  # 9 tokens: prefill + 8 steps (the first recorded, 7 replays); B3 again: 8 replays

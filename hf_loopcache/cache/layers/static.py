@@ -141,7 +141,7 @@ class StaticDenseLayer(LoopLayerBase):
 
     # ------------------------------------------------------------------ read and write
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
+        if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
         self._write(key_states, value_states, torch.arange(self.length, self.length + q, device=self.device))
@@ -149,7 +149,7 @@ class StaticDenseLayer(LoopLayerBase):
         return k[:, :, : self.length], v[:, :, : self.length]
 
     def attend(self, query, key, value, read):
-        if not self.is_initialized:
+        if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
             self.lazy_initialization(key, value)
         first = self.length == 0
         positions = self._positions(key.shape[2], read)
@@ -331,7 +331,7 @@ class StaticSharedLayer(LoopLayerBase):
 
     # ------------------------------------------------------------------ read and write
     def attend(self, query, key, value, read):
-        if not self.is_initialized:
+        if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
             self.lazy_initialization(key, value)
         length, q = self.length, key.shape[2]
         if read.static_valid is None:
@@ -409,7 +409,7 @@ class StaticSharedLayer(LoopLayerBase):
         return torch.cat([sk, rk.index_select(2, slots)], dim=2), torch.cat([sv, rv.index_select(2, slots)], dim=2)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
+        if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
         k, v = self._states(self.length + q - 1) if self.length else (key_states[:, :, :0], value_states[:, :, :0])
