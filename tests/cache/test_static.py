@@ -79,10 +79,9 @@ def test_build_cache_static_option_and_storage():
     "arch,name,backend",
     [
         ("ouro", "full", "eager"),
-        ("ouro", "full", "aot_eager"),
         ("huginn", "full", "eager"),
-        ("ouro", "ripe3", "eager"),
-        ("huginn", "deepest", "aot_eager"),
+        ("ouro", "ripe3", "aot_eager"),
+        ("huginn", "deepest", "eager"),
     ],
 )
 def test_static_decode_step_compiles_fullgraph(arch, name, backend):
