@@ -17,7 +17,8 @@ Modes of the looped caches (`--modes`): `eager` (the growable cache, the default
 `graph` (static, decoded through `generate`'s compiled call, which replays a CUDA graph of the one-token step per
 batch size). A static cache is built once per configuration and `reset()` between runs, so the graph captured in the
 warm-up run is replayed by the measured ones; `capture_s` is the warm-up step plus the capture. Static rows record
-whether their greedy tokens equal the eager run's (`tokens_equal_eager`, when `eager` ran first).
+whether their greedy tokens equal the eager run's (`tokens_equal_eager`, when `eager` ran first) and, for `graph`,
+the static eager run's (`tokens_equal_static`), with the first generated step that differs.
 """
 
 from __future__ import annotations
@@ -188,11 +189,12 @@ def run_one(
         )
         if reference is not None and not peer:
             key = (shape, cache_name, batch, context, new_tokens)
-            if mode == "eager":
-                reference[key] = out.cpu()
-            elif key in reference:
-                row["tokens_equal_eager"] = bool(torch.equal(reference[key], out.cpu()))
-                row["first_token_mismatch"] = _first_mismatch(reference[key], out.cpu(), prompt_len)
+            reference[(*key, mode)] = out.cpu()
+            for other in ("eager", "static"):
+                if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
+                    seen = reference[(*key, other)]
+                    row[f"tokens_equal_{other}"] = bool(torch.equal(seen, out.cpu()))
+                    row[f"first_mismatch_{other}"] = _first_mismatch(seen, out.cpu(), prompt_len)
         if not peer:
             row.update(
                 cache_allocated_gib=round(cache.nbytes() / 2**30, 3),
