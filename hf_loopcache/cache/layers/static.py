@@ -165,6 +165,14 @@ class StaticDenseLayer(LoopLayerBase):
         groups = query.shape[1] // k.shape[1]
         if self.read_method == "matmul":
             return masked_attention(query, [(k, v, group_rows(mask, groups))], scaling=read.scaling)
+        if read.static_mask is not None:  # the forward's mask as an additive bias, made once for every dense cell
+            key = ("static-dense-bias", query.dtype)
+            bias = read.memo.get(key)
+            if bias is None:
+                bias = read.memo[key] = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+                    ~mask, float("-inf")
+                )
+            mask = bias
         return F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, scale=read.scaling, enable_gqa=groups > 1
         ).to(query.dtype)
