@@ -124,16 +124,16 @@ def test_static_crop_then_continue(arch, name):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("name", ["full", "ripe3"])
-def test_static_self_speculative_lossless(name):
+@pytest.mark.parametrize("arch,name", [("ouro", "full"), ("ouro", "ripe3"), ("huginn", "ripe3")])
+def test_static_self_speculative_lossless(arch, name):
     """Draft with fewer loops, roll back, verify a block, leave holes: inside the static storage, token-identical to
     greedy decoding (RIPE with `W >= gamma`: Proposition 1)."""
-    model = make_model("ouro").float()
+    model = make_model(arch).float()
     ids, mask = _prompt(2, True)
-    expected = _generate(model, "ouro", ids, mask, CACHES[name](model), new=10)
+    expected = _generate(model, arch, ids, mask, CACHES[name](model), new=10)
     cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=40)
     got = _generate(
-        model, "ouro", ids, mask, cache, new=10, custom_generate=hf_loopcache.self_speculative, draft_loops=1,
+        model, arch, ids, mask, cache, new=10, custom_generate=hf_loopcache.self_speculative, draft_loops=1,
         block_size=3,
     )
     assert torch.equal(got, expected)
