@@ -311,3 +311,34 @@ def test_decode_graphs_runner_with_a_replay_stand_in(monkeypatch, arch, name):
     assert sorted(step["batch"] for step in cache.captured_steps()) == [1, 3]
     replays = sorted(entry.graph.replays for entry in cache._graphs.values())
     assert replays == [7, 15]  # 9 tokens: prefill + 8 steps (the first recorded, 7 replays); B3 again: 8 replays
+
+
+def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
+    """A row whose window holds holes spans more storage positions than the ring: its real positions the ring no
+    longer holds are read from the source (the deepest plane), the rest from the ring; checked against attention
+    written out over exactly those keys."""
+    from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
+    from hf_loopcache.cache.read import ReadState
+
+    torch.manual_seed(0)
+    heads, dim, t = 2, 4, 20
+    source = StaticDenseLayer(1, 32)
+    cell = StaticSharedLayer(source, window=3, page_size=1, capacity=ring_capacity(3, 1, 0), max_batch_size=1)
+    src_k, src_v, own_k, own_v = (torch.randn(1, heads, t + 1, dim, dtype=torch.float64) for _ in range(4))
+    source.attend(own_k[:, :, :t], src_k[:, :, :t], src_v[:, :, :t], ReadState(key_valid=None, scaling=1.0))
+    cell.attend(own_k[:, :, :t], own_k[:, :, :t], own_v[:, :, :t], ReadState(key_valid=None, scaling=1.0))
+    valid = torch.ones(1, 32, dtype=torch.bool)
+    valid[0, [12, 13, 15, 16, 18, 19]] = False  # holes: the window's real positions 11, 14, 17 span 10 positions
+    query = torch.randn(1, heads, 1, dim, dtype=torch.float64)
+    positions = torch.tensor([t])
+    read = ReadState(key_valid=valid, scaling=0.5, positions=positions, static_valid=valid,
+                     static_mask=static_mask(positions, valid), length=t)
+    out = cell.attend(query, own_k[:, :, t:], own_v[:, :, t:], read)
+    # H = 11 in effective positions: storage 0..10 from the source; the ring (5 positions) holds 16..20, so the
+    # window's real 11 and 14 come from the source too, 17 and 20 from the ring
+    keys = torch.cat([src_k[:, :, :16], own_k[:, :, 16:]], dim=2)
+    values = torch.cat([src_v[:, :, :16], own_v[:, :, 16:]], dim=2)
+    seen = valid[0, : t + 1].clone()
+    seen[t] = True
+    weights = torch.softmax((query @ keys.transpose(-1, -2) * 0.5).masked_fill(~seen, float("-inf")), dim=-1)
+    torch.testing.assert_close(out, weights @ values)

@@ -342,7 +342,7 @@ class StaticSharedLayer(LoopLayerBase):
         if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
             self.lazy_initialization(key, value)
         length, q = self.length, key.shape[2]
-        if read.static_valid is None:
+        if length and read.static_valid is None:
             raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
         if length and q > self.capacity - (self.window + self.page - 1):
             raise ValueError(
@@ -363,7 +363,7 @@ class StaticSharedLayer(LoopLayerBase):
         self._write(key, value, positions)
         if length == 0:  # nothing cached: plain causal attention over the new tokens (as every cell computes it)
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
-        valid = read.static_valid[: self.rows]
+        valid = read.static_valid[: self.rows]  # type: ignore[index]
         # what the source holds: all `length` positions in a complete forward (written later in it), else its own
         src_limit = positions[:1] if read.complete else min(length, self.source.length)
         return self._read(query, positions, valid, src_limit, read)
