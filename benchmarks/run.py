@@ -18,6 +18,7 @@ REGISTRY = {
     "v-precision": ("benchmarks.bench_v_precision", "tests/cache/test_loopkv.py"),
     "coded-attention": ("benchmarks.bench_coded_attention", "tests/ops/test_coded_attention_kernels.py"),
     "selfspec": ("benchmarks.bench_selfspec", "tests/generation/test_self_speculative.py"),
+    "multi-gpu": ("benchmarks.bench_multi_gpu", "tests/cache/test_device_map.py"),
 }
 
 

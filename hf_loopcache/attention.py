@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -122,6 +124,10 @@ def dense_attention(
 ) -> torch.Tensor:
     """Causal attention of the last `q` positions of `key`/`value` (the new tokens) over all of them.
 
+    Without `key_valid` SDPA gets no mask tensor: no mask for one token, `is_causal` for a prefill, and a lower-right
+    `CausalBias` for a block after cached positions (on CUDA the flash kernel). Only real padding or holes build a
+    boolean mask. On CUDA, calls with cached positions never use the cuDNN backend (see `_backends_without_cudnn`).
+
     Args:
         query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens.
         key (`torch.Tensor` of shape `[B, H_kv, T, D]`): keys of positions `0..T-1`; the new tokens are the last `q`.
@@ -137,19 +143,45 @@ def dense_attention(
     if past < 0:
         raise ValueError(f"`key` holds {total} positions but `query` has {q_len} new tokens")
     groups = query.shape[1] // key.shape[1]
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | CausalBias | None = None
     is_causal = False
     if key_valid is None:
         if q_len > 1 and past == 0:
             is_causal = True
-        elif q_len > 1:
+        elif q_len > 1 and not torch.compiler.is_compiling():
+            # a block after cached positions (self-speculative verification, chunked prefill): the causal diagonal
+            # aligned to the bottom right, with no mask tensor, so SDPA runs the kernel a one-token decode step runs
+            # (flash on CUDA); a bool mask would send every such call to a masked backend
+            mask = causal_lower_right(q_len, total)
+        elif q_len > 1:  # traced (torch.export / torch.compile): a plain tensor mask, the same math
             positions = torch.arange(total, device=query.device)
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
         positions = torch.arange(total, device=query.device)
-        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total])
+        # the mask lives on the model's first device; a layer on another (`device_map`) reads a copy
+        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total].to(query.device))
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    if past > 0 and query.is_cuda and not torch.compiler.is_compiling() and torch.backends.cuda.cudnn_sdp_enabled():
+        with sdpa_kernel(_backends_without_cudnn()):
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
+
+
+def _backends_without_cudnn() -> list[SDPBackend]:
+    """The SDPA backends the caller has enabled, cuDNN left out.
+
+    Calls with cached positions (a decode step, a draft, a verification block) leave cuDNN out: PyTorch prefers it on
+    Hopper and Blackwell (CUDA 13 builds), and it builds an execution graph for every new key length, mask shape and
+    stride, so a decoder, whose key length grows by one per call, rebuilds a graph in every forward (tens to
+    hundreds of milliseconds) and a verification with its mask never finds one. Flash (no mask) and memory-efficient
+    attention (a mask) take any length. A prefill keeps every backend."""
+    cuda = torch.backends.cuda
+    enabled = [
+        (SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, cuda.math_sdp_enabled()),
+    ]
+    return [backend for backend, on in enabled if on] or [SDPBackend.CUDNN_ATTENTION]
 
 
 def eager_attention(

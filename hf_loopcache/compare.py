@@ -477,11 +477,12 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def forest_plot(reports: dict[str, Any] | list[tuple[str, dict[str, Any]]], path: str | Path) -> Path:
-    """A PNG forest plot of the deltas with their intervals, one line per row, and the non-inferiority margin.
+    """A PNG forest plot of the deltas with their intervals and the non-inferiority margin: one panel per comparison
+    (side by side, rows aligned when every comparison has the same rows), one line per task / metric.
 
     Args:
-        reports: one report from `compare_runs`, or `[(label, report), ...]` to stack several comparisons (e.g. RIPE
-            and two LoopKV plans against the full cache) in one figure.
+        reports: one report from `compare_runs`, or `[(label, report), ...]` to put several comparisons (e.g. RIPE
+            and two LoopKV plans against the full cache) in one figure; a label titles its panel.
         path: the PNG to write (matplotlib is imported here, with its non-interactive Agg backend).
     """
     try:
@@ -493,35 +494,54 @@ def forest_plot(reports: dict[str, Any] | list[tuple[str, dict[str, Any]]], path
         raise ImportError('forest_plot needs matplotlib: pip install "hf-loopcache[eval]"') from err
     if isinstance(reports, dict):
         reports = [("", reports)]
-    entries = []
-    for label, report in reports:
-        for r in report["rows"]:
-            task = r["task"] if not r.get("suite") else f"{r['task']} (mean of {len(r['suite'])})"
-            name = f"{task} {r['metric']}" + (f" ({r['filter']})" if r["filter"] != "none" else "")
-            entries.append((f"{label}: {name}" if label else name, r, report["margin"]))
-    if not entries:
+
+    def row_name(r: dict[str, Any]) -> str:
+        task = r["task"] if not r.get("suite") else f"{r['task']} (mean of {len(r['suite'])})"
+        return f"{task} {r['metric']}" + (f" ({r['filter']})" if r["filter"] != "none" else "")
+
+    panels = [(label, report, [row_name(r) for r in report["rows"]]) for label, report in reports]
+    if not any(names for _, _, names in panels):
         raise ValueError("`reports` hold no compared rows to plot")
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(entries) + 1.2))
-    ys = list(range(len(entries)))[::-1]
-    for y, (_, r, _) in zip(ys, entries):
-        color = {"non-inferior": "tab:green", "inferior": "tab:red"}.get(r["verdict"], "tab:orange")
-        ax.errorbar(
-            r["delta"], y, xerr=[[r["delta"] - r["low"]], [r["high"] - r["delta"]]], fmt="o", color=color, capsize=3
-        )
-    margins = sorted({m for _, _, m in entries})
-    ax.axvline(0.0, color="black", linewidth=0.8)
-    for m in margins:
-        ax.axvline(-m, color="gray", linestyle="--", linewidth=0.8)
-    ax.set_yticks(ys)
-    ax.set_yticklabels([e[0] for e in entries], fontsize=8)
-    conf = round(100 * reports[0][1]["confidence"])
-    ax.set_xlabel(f"delta (candidate - baseline) with its {conf}% paired bootstrap interval\ndashed: -margin")
-    ax.set_title("green: non-inferior, red: inferior, orange: inconclusive", fontsize=9)
+    aligned = all(names == panels[0][2] for _, _, names in panels)
+    rows = max(len(names) for _, _, names in panels)
+    lows = [min(r["low"], -report["margin"]) for _, report, _ in panels for r in report["rows"]]
+    highs = [max(r["high"], report["margin"]) for _, report, _ in panels for r in report["rows"]]
+    pad = 0.05 * (max(highs) - min(lows))
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(3.2 * len(panels) + 3.5, 0.3 * rows + 1.4), sharey=aligned, squeeze=False
+    )
+    for i, (ax, (label, report, names)) in enumerate(zip(axes[0], panels)):
+        ys = list(range(len(names)))[::-1]
+        for y, r in zip(ys, report["rows"]):
+            color = {"non-inferior": "tab:green", "inferior": "tab:red"}.get(r["verdict"], "tab:orange")
+            ax.errorbar(
+                r["delta"], y, xerr=[[r["delta"] - r["low"]], [r["high"] - r["delta"]]], fmt="o", color=color, capsize=3
+            )
+        ax.axvline(0.0, color="black", linewidth=0.8)
+        ax.axvline(-report["margin"], color="gray", linestyle="--", linewidth=0.8)
+        ax.set_xlim(min(lows) - pad, max(highs) + pad)
+        ax.set_ylim(-0.6, rows - 0.4)
+        ax.set_yticks(ys)
+        if i == 0 or not aligned:
+            ax.set_yticklabels(names, fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    conf = round(100 * panels[0][1]["confidence"])
+    fig.supxlabel(f"delta (candidate - baseline), {conf}% paired bootstrap interval; dashed: -margin", fontsize=9)
+    fig.suptitle("green: non-inferior, red: inferior, orange: inconclusive", fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def short_label(baseline: str, candidate: str) -> str:
+    """What sets a candidate's `model_args` apart from the baseline's (`"cache=ripe,window=64"` against
+    `"pretrained=m,cache=full"`): the candidate's `key=value` items the baseline lacks, in the candidate's order."""
+    base = set(baseline.split(","))
+    items = [item for item in candidate.split(",") if item not in base]
+    return ",".join(items) or candidate
 
 
 def parse_suite(spec: str) -> tuple[str, list[str]]:
@@ -560,5 +580,7 @@ def compare_paths(
     if json_path:
         Path(json_path).write_text(json.dumps({"comparisons": reports}, indent=2) + "\n")
     if plot_path:
-        forest_plot([(Path(b).name, report) for b, report in zip(runs_b, reports)], plot_path)
+        forest_plot(
+            [(short_label(baseline.label, report["run_b"]["model_args"]), report) for report in reports], plot_path
+        )
     return text

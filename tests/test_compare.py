@@ -13,6 +13,7 @@ from hf_loopcache.compare import (
     compare_runs,
     exact_mcnemar_p,
     forest_plot,
+    short_label,
     load_run,
     paired_bootstrap,
     stratified_bootstrap,
@@ -285,7 +286,15 @@ def test_forest_plot_stacks_comparisons(tmp_path):
     report = compare_runs(a, b, iters=200)
     path = forest_plot([("ripe", report), ("kivi4", report)], tmp_path / "f.png")
     assert path.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no compared rows"):
+        forest_plot([("ripe", {**report, "rows": []})], tmp_path / "g.png")
     assert "delta (B-A)" in to_markdown(report)
+
+
+def test_short_label_names_what_sets_a_candidate_apart():
+    base = "pretrained=tiny-ouro,cache=full,dtype=bfloat16"
+    assert short_label(base, "pretrained=tiny-ouro,cache=ripe,window=64,dtype=bfloat16") == "cache=ripe,window=64"
+    assert short_label(base, base) == base  # nothing differs: the whole label, never an empty title
 
 
 def test_library_and_eval_tasks_package_import_no_lm_eval():

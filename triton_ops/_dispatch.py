@@ -3,15 +3,27 @@ everywhere else (announced once per op through `logging`). Nothing here queries 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib.util
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
-    import torch
+    from collections.abc import Iterator
 
-__all__ = ["announce_once", "next_pow2", "triton_available", "use_triton"]
+__all__ = [
+    "announce_once",
+    "check_same_device",
+    "launch_device",
+    "next_pow2",
+    "several_gpus",
+    "triton_available",
+    "use_triton",
+]
 
 logger = logging.getLogger("triton_ops")
 _announced: set[str] = set()
@@ -44,3 +56,35 @@ def announce_once(message: str) -> None:
 def next_pow2(n: int) -> int:
     """The least power of two >= `n` (Triton block sizes); 1 for `n <= 1`."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def several_gpus() -> bool:
+    """More than one CUDA device is visible (checked once, at the first launch, never at import)."""
+    return torch.cuda.device_count() > 1
+
+
+def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The context a kernel reading `t` is launched in: `t`'s CUDA device made current (Triton launches on the
+    current device, which is not the tensor's when a model is split over GPUs by `device_map`); a no-op elsewhere and
+    with a single GPU."""
+    return torch.cuda.device(t.device) if t.is_cuda and several_gpus() else contextlib.nullcontext()
+
+
+def _tensors(obj: object) -> Iterator[tuple[str, torch.Tensor]]:
+    for field in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, field.name)
+        if isinstance(value, torch.Tensor):
+            yield field.name, value
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from ((f"{field.name}.{name}", t) for name, t in _tensors(value))
+
+
+def check_same_device(ref: torch.Tensor, ref_name: str, container: object) -> None:
+    """Raise if a tensor field of the dataclass `container` (nested dataclasses included) is not on `ref`'s device: a
+    kernel takes raw pointers and would read another device's memory instead of failing."""
+    for name, t in _tensors(container):
+        if t.device != ref.device:
+            raise ValueError(
+                f"`{name}` is on {t.device} but `{ref_name}` is on {ref.device}; a kernel reads one device"
+            )

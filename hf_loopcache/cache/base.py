@@ -129,7 +129,9 @@ class LoopCache(Cache):
         self.v_precision = v_precision
         self._v_precision_stats: VPrecisionStats | None = None  # set by `track_v_precision()`
         self._draft_loops: int | None = None  # loops of the current forward when fewer than the cache holds
-        self._read: tuple[AttentionInputs, ReadState] | None = None  # the current forward's read state
+        # the current forward's read state, one per device its cells sit on (a model split by `device_map`), keyed by
+        # the device's name (string keys: the cache stays a pytree, see `pytree.py`)
+        self._read: tuple[AttentionInputs, dict[str, ReadState]] | None = None
         layers: list[LoopLayerBase] = [None] * self.layout.num_cells  # type: ignore[list-item]
         for cell in self.layout.cells():  # sources first: shared cells point at them
             if plan.option(cell) != "share":
@@ -207,22 +209,64 @@ class LoopCache(Cache):
         """Loops of the current forward if it runs fewer than the cache holds (a partial-depth draft), else None."""
         return self._draft_loops
 
-    def read_state(self, inputs: AttentionInputs) -> ReadState:
-        """The `ReadState` of the current forward (built once per forward from its `AttentionInputs`)."""
+    def read_state(self, inputs: AttentionInputs, device: torch.device | None = None) -> ReadState:
+        """The `ReadState` of the current forward on `device` (built once per forward and device from its
+        `AttentionInputs`; the key mask is copied once to each device the model's cells sit on). `device` defaults to
+        the mask's own."""
         if self._read is None or self._read[0] is not inputs:
-            state = ReadState(
-                key_valid=inputs.key_valid,
-                scaling=inputs.scaling,
-                positions=inputs.positions,
-                static_valid=inputs.static_valid,
-                static_mask=inputs.static_mask,
-                length=inputs.length,
-                draft_loops=self._draft_loops,
-                v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
-                v_precision_stats=self._v_precision_stats,
+            self._read = (inputs, {})
+        states = self._read[1]
+        key_valid = inputs.key_valid
+        anchor = key_valid if key_valid is not None else inputs.static_valid  # a static cache's state has its own
+        home = anchor.device if anchor is not None else None
+        device = torch.device(device) if device is not None and anchor is not None else home
+
+        def to(t: torch.Tensor | None, where: torch.device | None) -> torch.Tensor | None:
+            return None if t is None else t.to(where)
+
+        for where in (home, device):  # the mask's own device first: other devices copy its hole positions
+            if str(where) not in states:
+                states[str(where)] = ReadState(
+                    key_valid=to(key_valid, where),
+                    scaling=inputs.scaling,
+                    draft_loops=self._draft_loops,
+                    v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
+                    v_precision_stats=self._v_precision_stats,
+                    home=None if where == home else states[str(home)],
+                    positions=to(inputs.positions, where),
+                    static_valid=to(inputs.static_valid, where),
+                    static_mask=to(inputs.static_mask, where),
+                    length=inputs.length,
+                )
+        return states[str(device)]
+
+    def _cell_on(self, slot: int | torch.Tensor, key_states: torch.Tensor) -> LoopLayerBase:
+        """The layer of `slot`, after checking that the new keys are on the cell's device (a cell is placed on the
+        device of the first keys it is handed: the device of the model layer that writes it) and, for a shared cell,
+        that its source sits there too. Nothing moves a cell's storage to another device."""
+        flat = self._flat(slot)
+        layer = self.cells[flat]
+        if layer.is_initialized and layer.device != key_states.device:
+            raise ValueError(
+                f"cell {self.layout.cell_at(flat)} of this cache is stored on {layer.device}, but the keys to write "
+                f"are on {key_states.device}; a cache stays on the devices its first forward placed it on (build a "
+                f"new cache for another placement)"
             )
-            self._read = (inputs, state)
-        return self._read[1]
+        source = getattr(layer, "source", None)  # a shared cell, growable or static
+        if source is not None and source.is_initialized and source.device != key_states.device:
+            raise ValueError(
+                f"cell {self.layout.cell_at(flat)} shares the history of cell "
+                f"{self.layout.source_cell(self.layout.cell_at(flat))}, which is stored on {source.device}, but its "
+                f"keys are on {key_states.device}; a shared cell and its source (the same layer's final loop) must be "
+                f"written by the same layer on one device"
+            )
+        return layer
+
+    def cell_devices(self) -> list[torch.device | None]:
+        """The device of each cell's storage, by flat index (`LoopLayout.flat_index`); None for a cell not written
+        yet. A cell is placed on the device of the first keys it is handed, i.e. that of the model layer that
+        writes it (with a `device_map`, every loop of a layer sits on that layer's device)."""
+        return [layer.device if layer.is_initialized else None for layer in self.cells]
 
     def attend(
         self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
@@ -230,7 +274,8 @@ class LoopCache(Cache):
         """Attention of the new tokens of cell `slot` over its stored history and themselves; stores the new keys and
         values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`."""
         self._check_states(key)
-        return self.cells[self._flat(slot)].attend(query, key, value, self.read_state(inputs))
+        layer = self._cell_on(slot, key)
+        return layer.attend(query, key, value, self.read_state(inputs, key.device))
 
     def update(
         self,
@@ -243,7 +288,7 @@ class LoopCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain `Cache.update` for foreign models: `layer_idx` is the model's slot index (int or 0-d tensor)."""
         self._check_states(key_states)
-        return self.cells[self._flat(layer_idx)].update(key_states, value_states)
+        return self._cell_on(layer_idx, key_states).update(key_states, value_states)
 
     # ----------------------------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:

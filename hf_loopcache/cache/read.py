@@ -22,20 +22,35 @@ __all__ = ["ReadState", "VPrecisionStats", "effective_positions"]
 
 class VPrecisionStats(Mapping[str, float]):
     """Counts of INT4 history value reads (`"history"`) and of those read cold (`"cold"`), per (row, query head,
-    query, token), accumulated on the device without a sync; reading a count syncs once."""
+    query, token), accumulated on the device without a sync; reading a count syncs once.
+
+    A model split over devices (`device_map`) has cells on several devices: each device accumulates into its own
+    counter (no transfer on the read path) and reading a count sums them."""
 
     def __init__(self) -> None:
-        self.counts: torch.Tensor | None = None  # int64 [cold, history], on the device of the first read
+        # int64 [cold, history], one per device read on, keyed by the device's name (a cache stays a pytree)
+        self.device_counts: dict[str, torch.Tensor] = {}
 
-    def tensor(self, device: torch.device) -> torch.Tensor:
-        """The accumulator `coded_attention` adds to in place."""
-        if self.counts is None:
-            self.counts = torch.zeros(2, dtype=torch.int64, device=device)
-        return self.counts
+    def tensor(self, device: torch.device | str) -> torch.Tensor:
+        """The accumulator `coded_attention` adds to in place, on `device` (the reading cell's)."""
+        name = str(torch.device(device))
+        if name not in self.device_counts:
+            self.device_counts[name] = torch.zeros(2, dtype=torch.int64, device=device)
+        return self.device_counts[name]
+
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """`[cold, history]` summed over devices (on the CPU when several), or None before the first read."""
+        if not self.device_counts:
+            return None
+        if len(self.device_counts) == 1:
+            return next(iter(self.device_counts.values()))
+        return sum(c.cpu() for c in self.device_counts.values())  # type: ignore[return-value]
 
     def __getitem__(self, key: str) -> float:
         index = {"cold": 0, "history": 1}[key]
-        return 0.0 if self.counts is None else float(self.counts[index])
+        counts = self.counts
+        return 0.0 if counts is None else float(counts[index])
 
     def __iter__(self) -> Iterator[str]:
         return iter(("cold", "history"))
@@ -61,6 +76,9 @@ class ReadState:
         v_precision_tau (`float`, *optional*): LoopKV's V-precision threshold for INT4 history; None reads every
             low plane.
         v_precision_stats (`VPrecisionStats`, *optional*): where cold / history read counts go.
+        home (`ReadState`, *optional*): the same forward's state on the device the mask was built on, when this one
+            is a copy for another device (a model split by `device_map`): `effective` is computed there once (one host
+            sync per forward) and copied here.
         positions, static_valid, static_mask, length: a static cache's device-side write positions `[q]`, key
             validity `[B, max_cache_len]` and visibility `[B, 1, q, max_cache_len]`, and its host length before the
             forward (see `AttentionInputs`); None for a growable cache.
@@ -77,6 +95,7 @@ class ReadState:
     draft_loops: int | None = None
     v_precision_tau: float | None = None
     v_precision_stats: VPrecisionStats | None = None
+    home: ReadState | None = None
     positions: torch.Tensor | None = None
     static_valid: torch.Tensor | None = None
     static_mask: torch.Tensor | None = None
@@ -85,6 +104,9 @@ class ReadState:
 
     @cached_property
     def effective(self) -> torch.Tensor | None:
+        if self.home is not None and self.key_valid is not None:
+            effective = self.home.effective
+            return None if effective is None else effective.to(self.key_valid.device)
         return effective_positions(self.key_valid)
 
     @property

@@ -220,7 +220,7 @@ class _Step:
             **{CACHE_KWARG: self.cache},
             **kwargs,
         )
-        return out.logits.float()
+        return out.logits.float().to(tokens.device)  # the head may sit on another device than the inputs (device_map)
 
 
 def draft_block(
@@ -588,6 +588,10 @@ def self_speculative_generate(
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError(f"a streamer is supported at batch size 1 only, got batch size {input_ids.shape[0]}")
     _check_args(model, cache, draft_loops, block_size, forced_acceptance, _verify_loops(model, model_kwargs))
+    # as `generate` does: empty cells allocate `max_new_tokens` positions past the prompt at their first write, so
+    # that at batch 1 no cell regrows (copying its history) mid-decoding (the decoder shortens the last blocks; in a
+    # batch, holes can take the cache past that, and it grows as usual)
+    cache.reserve(input_ids.shape[1] + max_new_tokens)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     if pad_token_id is None:

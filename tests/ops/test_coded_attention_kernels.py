@@ -53,6 +53,7 @@ class Case:
     splits: int | None = None
     moving: bool = True  # per-query bounds differ inside a block
     strided: bool = False  # history borrowed as a view into a larger buffer (a share cell's source)
+    lean: float = 2.0  # sink keys lean towards the first H_kv query heads by this much (a sink maximum exists)
 
     def id(self) -> str:
         fmt = {4: "int4", 2: "int2", 0: "bf16"}[self.fmt]
@@ -60,6 +61,7 @@ class Case:
         extra += "-pad" if self.pad else ""
         extra += f"-ns{self.splits}" if self.splits else ""
         extra += "-strided" if self.strided else ""
+        extra += f"-lean{self.lean:g}" if self.lean != 2.0 else ""
         return f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-S{self.S}-T{self.hist}-W{self.Wn}-Q{self.Q}-{fmt}{extra}"
 
 
@@ -80,7 +82,7 @@ def _build(case: Case, dtype: torch.dtype, seed: int = 0):
     n = hist_end + case.Wn
     q = r(b, case.Hq, case.Q, d, scale=1.5)
     parts = dict(
-        sk=r(b, hkv, s, d) + 2 * q[:, :hkv, :1], sv=r(b, hkv, s, d),
+        sk=r(b, hkv, s, d) + case.lean * q[:, :hkv, :1], sv=r(b, hkv, s, d),
         wk=r(b, hkv, n - w_start, d), wv=r(b, hkv, n - w_start, d), nk=r(b, hkv, case.Q, d), nv=r(b, hkv, case.Q, d),
     )  # fmt: skip
     hk = r(b, hkv, t_codes, d) + r(b, hkv, 1, d, scale=2.0)
@@ -216,6 +218,14 @@ CPU_CASES = [
     Case(hist=64, strided=True, fmt=0, splits=2),
     Case(hist=65, Wn=0, Q=1, S=1),  # nothing in the window: the bound is the cached length
     Case(hist=40, Q=9, Hq=8, Hkv=1, Wn=8, splits=2, pad=True),  # 72 rows: two row blocks
+    # one row per KV head (decode without GQA): the elementwise path, several pages per loop step
+    # (the sink leans less on the query, so that the history carries weight)
+    Case(hist=1, Hq=1, Hkv=1),
+    Case(hist=100, Hq=2, Hkv=2, splits=3, pad=True, B=2, lean=0.3),
+    Case(hist=300, Hq=1, Hkv=1, S=0),  # the launcher's own split count
+    Case(hist=200, Hq=2, Hkv=2, fmt=2, pad=True, B=2, lean=0.0),
+    Case(hist=150, Hq=2, Hkv=2, fmt=4, vprec=False, strided=True, splits=2, lean=0.0),
+    Case(hist=250, Hq=2, Hkv=2, fmt=4, Q=1, lean=0.5),
 ]
 
 
@@ -253,6 +263,21 @@ def test_running_max_crosses_splits():
         out, _ = _run_kernel(data, stats=got)
         assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], ns
         assert got.tolist() == stats.tolist(), ns
+
+
+@pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
+def test_late_maximum_moves_the_softmax_reference(vprec):
+    """One row per KV head (the elementwise path keeps a lazy softmax reference): a key aligned with the query in the
+    last page forces the reference to move after two steps of pages were accumulated; the output must not change."""
+    data = _build(Case(hist=320, S=0, Q=1, Hq=1, Hkv=1, splits=1, vprec=vprec), torch.float32)
+    qk, qv = data["history"]
+    k = naive.dequantize_keys(qk)
+    k[:, :, 300] = data["q"][:, :1, 0] * 6
+    data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
+    ref, ref_lse = _reference(data)
+    out, lse = _run_kernel(data)
+    assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
 
 
 def test_public_coded_attention_validates_and_falls_back():

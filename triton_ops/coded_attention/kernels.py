@@ -6,7 +6,8 @@ Split-history (flash-decoding) attention of `Q` new tokens over one cell's store
 the stored codes (INT4 / INT2) or BF16 tensors; program `NS` reads the dense tail (sink, window, new tokens). Rows
 are the `G * Q` queries that share one KV head (GQA: K/V are read once per row block). Each program writes a partial
 `(o, lse)`; `_coded_attention_merge_kernel` combines them by log-sum-exp. Scores are kept in log2 units
-(`qk * scale * log2(e)`), so the V-precision margin `tau * ln 2` becomes `tau`.
+(`qk * scale * log2(e)`), so the V-precision margin `tau * ln 2` becomes `tau`. When a KV head has one query row
+(decode without GQA) the history programs of coded cells run `_codes_history_row1` (elementwise, no dots).
 """
 
 from __future__ import annotations
@@ -77,6 +78,185 @@ def _codes_values(
         else:
             b_acc += _dot(b_p, ((b_h * 4.0 + b_l) * b_vs + b_vz).to(b_p.dtype), IEEE)
     return b_acc
+
+
+@triton.jit
+def _u2f(x):
+    """Exact fp32 of a small non-negative int32 (< 2**23) without a conversion instruction (those issue at a quarter
+    of the FMA rate on Hopper): the bits of `2**23 + x`, minus `2**23`."""
+    return (x | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _vcode(b_hi, b_lo, SHIFT: tl.constexpr, FAST: tl.constexpr):
+    """The 4-bit value code `4 hi + lo` of the 2-bit fields at bit SHIFT of int32 bytes `b_hi`, `b_lo` as fp32;
+    FAST: `1 + code / 16` (hi's field to bits 21-22, lo's to 19-20 of 1.0's mantissa)."""
+    if FAST:
+        b_f = ((b_hi << (21 - SHIFT)) & (3 << 21)) | ((b_lo << (19 - SHIFT)) & (3 << 19)) | 0x3F800000
+        return b_f.to(tl.float32, bitcast=True)
+    else:
+        return _u2f((((b_hi >> SHIFT) & 3) << 2) | ((b_lo >> SHIFT) & 3))
+
+
+@triton.jit
+def _field(b, SHIFT: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+    """The NB-bit field at bit SHIFT (< 8) of int32 bytes `b` as fp32. FAST: `1 + field / 2**NB`, the field shifted
+    to the top of the mantissa of 1.0 (one shift, one LOP3; no conversion, no add); else the field itself (exact)."""
+    if FAST:
+        TGT: tl.constexpr = 23 - NB
+        return (((b << (TGT - SHIFT)) & (((1 << NB) - 1) << TGT)) | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        return _u2f((b >> SHIFT) & ((1 << NB) - 1))
+
+
+@triton.jit
+def _codes_history_row1(
+    b_q, b_run, q_ptr, o_ptr, lse_ptr, pmax_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr,
+    hvs_ptr, hvz_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh, o_part, i_prog, nh,
+    hist_start, p_begin, p_end, n_pages, qk_scale, margin,
+    D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
+    USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """History pages `[p_begin, p_end)` of codes for ONE query row (decode without GQA, the common case), without
+    matrix instructions: `NP` pages per loop step, scores as elementwise products summed over channels, values
+    accumulated per bit lane. `b_q` [D] (the row's query, fp32, scaled by `qk_scale`), pointers already at
+    (b, h_kv); `nh` the history tokens the row reads; `b_run` the V-precision running-max seed (log2 units).
+    Writes the partial `(o, lse)` of row `o_part` (or the page maxima with `PAGE_MAX_ONLY`).
+
+    Instruction economy (the loop is issue-bound, not byte-bound): the sums over tokens (`l`, the value lanes, the
+    zero term, the counts) stay per thread in tiles of the step's shape and are reduced once after the loop; the
+    softmax reference `b_mr` moves only when a score exceeds it by more than 2**8 (lazy rescaling: p <= 256 in
+    fp32 is exact enough, and `lse = b_mr + log2(l)` does not depend on the reference), so the only reduction
+    across threads per step is the step's maximum. FAST (16-bit inputs) reads a field as `f = 1 + code / 2**n`
+    straight from its bits, sums `a * f` and subtracts `sum a` once (the difference is at most ~3x smaller than the
+    terms, so fp32 keeps ~2**-22 relative); fp32 inputs read the exact field."""
+    PB: tl.constexpr = 8 // KV_FMT  # channels per key byte
+    DK: tl.constexpr = D // PB
+    NG: tl.constexpr = D // VGROUP  # value groups per token
+    VG4: tl.constexpr = VGROUP // 4  # plane bytes per value group (4 channels per byte)
+    T: tl.constexpr = NP * PAGE
+    if FAST:
+        KSC: tl.constexpr = 2.0**KV_FMT  # code = KSC * (f - 1)
+        VSC: tl.constexpr = 16.0 if KV_FMT == 4 else 4.0
+    else:
+        KSC: tl.constexpr = 1.0
+        VSC: tl.constexpr = 1.0
+    o_np = tl.arange(0, NP)
+    o_pt = tl.arange(0, PAGE)
+    o_ck = tl.arange(0, DK)
+    o_d = tl.arange(0, D)
+    o_tt = tl.arange(0, T)
+    o_g = tl.arange(0, NG)
+    o_c8 = tl.arange(0, VG4)
+    limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
+    b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
+    b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
+    b_a0 = tl.zeros([T, NG, VG4], dtype=tl.float32)  # value lane j: channel 4 * (g * VG4 + c) + j
+    b_a1 = tl.zeros([T, NG, VG4], dtype=tl.float32)
+    b_a2 = tl.zeros([T, NG, VG4], dtype=tl.float32)
+    b_a3 = tl.zeros([T, NG, VG4], dtype=tl.float32)
+    b_az = tl.zeros([T, NG], dtype=tl.float32)  # p * zero (+ 1.5 * p * scale of cold tokens)
+    b_wsum = tl.zeros([T, NG], dtype=tl.float32)  # p * scale (FAST: the `1` of every f)
+    if COUNT:
+        b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
+        b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
+    for i_p0 in range(p_begin, p_end, NP):
+        o_pg = i_p0 + o_np  # [NP] pages
+        m_pg = o_pg < p_end
+        o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]  # [NP, PAGE] history token index
+        m_vis = o_t2 < limit
+        o_t3 = o_t2[:, :, None]
+        b_pk = tl.load(hk_ptr + o_t3 * stride_hkt + o_ck[None, None, :], mask=o_t3 < limit, other=0).to(tl.int32)
+        # scores: page scale folded into the query per lane, page zero into a per-page bias
+        b_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pg[:, None], other=0.0)
+        b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
+        b_s = tl.zeros([NP, PAGE], dtype=tl.float32) + b_bias[:, None]
+        for j in tl.static_range(PB):
+            b_qj = tl.load(q_ptr + o_ck * PB + j).to(tl.float32) * qk_scale  # [DK], from L1
+            b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + (o_ck * PB + j)[None, :], mask=m_pg[:, None], other=0.0)
+            b_qs = b_ks.to(tl.float32) * b_qj[None, :] * KSC  # [NP, DK]
+            if FAST:
+                b_s -= tl.sum(b_qs, axis=1)[:, None]
+            b_s += tl.sum(_field(b_pk, j * KV_FMT, KV_FMT, FAST) * b_qs[:, None, :], axis=2)
+        if USE_VALID:
+            b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
+            m_vis = m_vis & b_valid
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_pm = tl.max(b_s, axis=1)  # [NP] page maxima
+        if PAGE_MAX_ONLY:
+            tl.store(pmax_ptr + i_bh * n_pages + o_pg, b_pm, mask=m_pg)
+        else:
+            b_mx = tl.max(b_pm, axis=0)
+            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+                b_alpha = tl.exp2(b_mr - b_mx)
+                b_lv *= b_alpha
+                b_a0 *= b_alpha
+                b_a1 *= b_alpha
+                b_a2 *= b_alpha
+                b_a3 *= b_alpha
+                b_az *= b_alpha
+                b_wsum *= b_alpha
+                b_mr = b_mx
+            b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+            b_lv += b_p
+            if USE_VPREC:
+                # running max of each page: the seed, then the prefix of page maxima up to the page itself
+                b_pre = tl.max(tl.where(o_np[None, :] <= o_np[:, None], b_pm[None, :], float("-inf")), axis=1)
+                b_runp = tl.maximum(b_pre, b_run)
+                b_run = tl.maximum(b_run, b_mx)
+                m_hot = m_vis & (b_s >= b_runp[:, None] - margin)
+                if COUNT:
+                    b_cnt_all += m_vis.to(tl.int32)
+                    b_cnt_cold += (m_vis & ~m_hot).to(tl.int32)
+                b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+                m_hot1 = tl.reshape(m_hot, [T])
+            b_p1 = tl.reshape(b_p, [T])
+            o_t1 = i_p0 * PAGE + o_tt  # [T]
+            m_t1 = o_t1 < limit
+            o_v3 = o_t1[:, None, None] * stride_hvt + (o_g[:, None] * VG4 + o_c8[None, :])[None, :, :]
+            b_hi = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0).to(tl.int32)  # [T, NG, VG4]
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)  # [T, NG]
+            b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)
+            b_w = b_p1[:, None] * b_vs  # [T, NG]: p * scale
+            b_az += b_p1[:, None] * b_vz
+            if FAST:
+                b_wsum += b_w
+            b_w3 = b_w[:, :, None]
+            if KV_FMT == 4:
+                if USE_VPREC:
+                    b_az += 1.5 * b_pc[:, None] * b_vs  # cold tokens read the hi bucket's midpoint
+                    m_lo = m_t1 & m_hot1
+                else:
+                    m_lo = m_t1
+                b_lo = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0).to(tl.int32)  # 0 where cold
+                # the 4-bit code 4 hi + lo of lane j: hi's field next to lo's (FAST: both at the mantissa's top)
+                b_a0 += b_w3 * _vcode(b_hi, b_lo, 0, FAST)
+                b_a1 += b_w3 * _vcode(b_hi, b_lo, 2, FAST)
+                b_a2 += b_w3 * _vcode(b_hi, b_lo, 4, FAST)
+                b_a3 += b_w3 * _vcode(b_hi, b_lo, 6, FAST)
+            else:
+                b_a0 += b_w3 * _field(b_hi, 0, 2, FAST)
+                b_a1 += b_w3 * _field(b_hi, 2, 2, FAST)
+                b_a2 += b_w3 * _field(b_hi, 4, 2, FAST)
+                b_a3 += b_w3 * _field(b_hi, 6, 2, FAST)
+    if not PAGE_MAX_ONLY:
+        b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
+        b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + o_part, b_lse)
+        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+        o_c4 = (o_g[:, None] * VG4 + o_c8[None, :]) * 4  # [NG, VG4]
+        p_o = o_ptr + o_part * D + o_c4
+        b_z = tl.sum(b_az, axis=0)[:, None]
+        b_ws = tl.sum(b_wsum, axis=0)[:, None]  # 0 unless FAST
+        tl.store(p_o, (VSC * (tl.sum(b_a0, axis=0) - b_ws) + b_z) * b_inv)
+        tl.store(p_o + 1, (VSC * (tl.sum(b_a1, axis=0) - b_ws) + b_z) * b_inv)
+        tl.store(p_o + 2, (VSC * (tl.sum(b_a2, axis=0) - b_ws) + b_z) * b_inv)
+        tl.store(p_o + 3, (VSC * (tl.sum(b_a3, axis=0) - b_ws) + b_z) * b_inv)
+        if COUNT:
+            tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
+            tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
 
 
 @triton.jit
@@ -214,6 +394,8 @@ def _coded_attention_fwd_kernel(
     READ_PREFIX: tl.constexpr,
     PAGE_MAX_ONLY: tl.constexpr,
     IEEE: tl.constexpr,
+    ROW1: tl.constexpr = False,
+    NP: tl.constexpr = 4,
 ):
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_b, i_hk = i_bh // H_KV, i_bh % H_KV
@@ -272,7 +454,25 @@ def _coded_attention_fwd_kernel(
                     b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
         o_t0 = tl.arange(0, PAGE)
         o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
-        if KV_FMT == 0:
+        if ROW1:
+            # one query row per KV head (decode, no GQA): the elementwise path, NP pages per step
+            b_q1 = tl.load(q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d).to(tl.float32) * qk_scale
+            if USE_VPREC and not PAGE_MAX_ONLY:
+                b_run1 = tl.max(tl.where(o_r == 0, b_run, float("-inf")), axis=0)
+            else:
+                b_run1 = 0.0
+            _codes_history_row1(
+                b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, o_ptr, lse_ptr, pmax_ptr, p_valid,
+                stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
+                hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
+                hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
+                (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
+                tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
+                D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
+            )  # fmt: skip
+        elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]
             for i_p in range(p_begin, p_end):
@@ -377,7 +577,7 @@ def _coded_attention_fwd_kernel(
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
-        if COUNT and not PAGE_MAX_ONLY:
+        if COUNT and not PAGE_MAX_ONLY and not ROW1:
             i_prog = (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2) + i_r
             tl.store(stats_ptr + i_prog * 2, tl.sum(b_cnt_cold, axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(b_cnt_all, axis=0))

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import announce_once, next_pow2, use_triton
+from triton_ops._dispatch import (
+    announce_once,
+    check_same_device,
+    launch_device,
+    next_pow2,
+    several_gpus,
+    use_triton,
+)
 from triton_ops.coded_attention.reference import _check_query, reference_coded_attention
 
 if TYPE_CHECKING:
@@ -24,6 +31,11 @@ if TYPE_CHECKING:
 __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
+
+ROW1_TUNING = {"enabled": True, "pages": 2, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8}
+"""Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
+software-pipelining depth, and the programs per SM the split count aims at when the batch alone does not fill the
+device (H200 sweep: `benchmarks/notes_coded_attention.md`, v3)."""
 
 
 @functools.cache
@@ -43,10 +55,12 @@ def _coded_attention_fwd(
     v_precision_tau: float | None,
     v_precision_stats: Tensor | None = None,
     num_splits: int | None = None,
+    tuning: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the split-history kernel (after the page-maxima pass when V precision needs it across splits) and the
     merge; returns `(out [B, H_q, Q, D], lse [B, H_q, Q] fp32)`. `num_splits` forces the number of history splits
-    (tests); by default it follows the device's SM count. No host sync, no copy of any view tensor."""
+    (tests); by default it follows the device's SM count. `tuning` overrides `ROW1_TUNING` (benchmarks). No host sync,
+    no copy of any view tensor."""
     from triton_ops.coded_attention.kernels import _coded_attention_fwd_kernel, _coded_attention_merge_kernel
 
     b, hq, q_len, d = query.shape
@@ -78,17 +92,26 @@ def _coded_attention_fwd(
     base = b * hkv * n_rblocks
     use_vprec = v_precision_tau is not None and fmt == 4
     count = use_vprec and v_precision_stats is not None
+    tune = {**ROW1_TUNING, **(tuning or {})}
+    # one query row per KV head and power-of-two value groups: the elementwise path (kernels._codes_history_row1)
+    n_groups = d // vgroup if fmt else 0
+    row1 = bool(fmt) and rows == 1 and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
+    row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"])
+    step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
     if n_pages == 0:
         ns = 0
     elif num_splits is not None:
         ns = min(num_splits, n_pages)
     else:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
+        per_sm = tune["programs_per_sm"] if row1 else 4
         if use_vprec and base >= sms:
             ns = 1  # one split per row block keeps the running maximum exact without a page-max pass
         else:
-            ns = max(1, min(n_pages, -(-4 * sms // base)))
+            ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base)))
     pps = -(-n_pages // ns) if ns else 0
+    if num_splits is None and ns:
+        pps = -(-pps // step) * step
     ns = -(-n_pages // pps) if ns else 0
     read_prefix = use_vprec and ns > 1
     bound = view.history_end
@@ -164,11 +187,14 @@ def _coded_attention_fwd(
             READ_PREFIX=read_prefix,
             PAGE_MAX_ONLY=page_max_only,
             IEEE=query.dtype == torch.float32,
+            ROW1=row1,
+            NP=tune["pages"],
         )
 
+    launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]} if row1 else {}
     if read_prefix:
-        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True))
-    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False))
+        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True), **launch)
+    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **launch)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     _coded_attention_merge_kernel[(b * hkv * rows,)](
@@ -271,7 +297,11 @@ def coded_attention(
         raise ValueError(f"`v_precision_stats` must be a tensor of shape [2] (cold, history), got {v_precision_stats!r}")
     if query.stride(-1) != 1:
         raise ValueError(f"`query` must have stride 1 in its last dim, got strides {query.stride()}")
-    return _coded_attention_fwd(
-        query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
-    )
-
+    if several_gpus():  # multi-GPU (`device_map`): every tensor on the query's device, and the launch there
+        check_same_device(query, "query", view)
+        if v_precision_stats is not None and v_precision_stats.device != query.device:
+            raise ValueError(f"`v_precision_stats` is on {v_precision_stats.device} but `query` is on {query.device}")
+    with launch_device(query):
+        return _coded_attention_fwd(
+            query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
+        )

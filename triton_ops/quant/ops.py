@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import next_pow2, use_triton
+from triton_ops._dispatch import launch_device, next_pow2, use_triton
 from triton_ops.quant import naive
 from triton_ops.quant.naive import (
     DEFAULT_GROUP_SIZE,
@@ -156,7 +156,8 @@ def quantize_keys(
         raise ValueError(f"keys are quantized per page: `T` ({t}) must be a multiple of `group_size` ({group_size})")
     _check_codes_width(d, nbits, "keys")
     valid = _check_valid(valid, b, t, x.device)
-    qk = _quantize_keys_fwd(x, nbits, group_size, valid)
+    with launch_device(x):  # the tensor's GPU, not the current one (multi-GPU `device_map`)
+        qk = _quantize_keys_fwd(x, nbits, group_size, valid)
     if check_finite:
         _check_finite_params(qk.scale, qk.zero, "x")
     return qk
@@ -197,7 +198,8 @@ def quantize_values(
         )
     _check_codes_width(d, 2, "values")
     _check_valid(valid, b, t, x.device)
-    qv = _quantize_values_fwd(x, nbits, group_size)
+    with launch_device(x):  # the tensor's GPU, not the current one (multi-GPU `device_map`)
+        qv = _quantize_values_fwd(x, nbits, group_size)
     if check_finite:
         _check_finite_params(qv.scale, qv.zero, "x")
     return qv

@@ -364,12 +364,16 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             embeds = block(embeds, rope, state, i)
             all_hidden.append(embeds)
 
+        injected = embeds  # the prelude's output, copied once to the adapter's device when a device_map splits them
         for step in range(steps_no_grad + steps_with_grad):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_no_grad):
-                x = self._part("adapter")(torch.cat([x, embeds.to(x.device)], dim=-1))
+                x = self._part("adapter")(torch.cat([x.to(injected.device), injected], dim=-1))
+                adapter_device = x.device
                 for j, block in enumerate(self._part("core_block")):
                     x = block(x, rope, state, n_pre + n_core * step + j)
                     all_hidden.append(x)
+            if injected.device != adapter_device:  # the adapter runs elsewhere: later steps meet it there
+                injected = embeds.to(adapter_device)  # (in the caller's grad mode: the prelude still gets gradients)
         x = self._part("ln_f")(x)
         latent_states = x.clone().detach()
         for c, block in enumerate(self._part("coda")):

@@ -361,7 +361,8 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         def expected_logits() -> torch.Tensor:
             total = None
             for r, h in enumerate(loop_hidden):
-                term = self.lm_head(h) * pdf[..., r : r + 1].to(h.dtype)  # type: ignore[index]
+                logits_r = self.lm_head(h)  # on the head's device, the exit pdf on the gate's (`device_map`)
+                term = logits_r * pdf[..., r : r + 1].to(logits_r.device, h.dtype)  # type: ignore[index]
                 total = term if total is None else total + term
             return total  # type: ignore[return-value]
 
@@ -376,7 +377,7 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             steps = torch.argmax(reached.float(), dim=2)
             steps = torch.where(reached.any(dim=2), steps, pdf.shape[2] - 1)  # no boolean indexing: no host sync
             stacked = torch.stack(loop_hidden, dim=2)
-            index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
+            index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1]).to(stacked.device)
             logits = self.lm_head(torch.gather(stacked, 2, index).squeeze(2))
         elif pdf is not None and use_weighted_exit:
             logits = expected_logits()

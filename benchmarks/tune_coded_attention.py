@@ -1,0 +1,250 @@
+"""Sweep of the one-row coded-attention path's launch settings on the GPU (v3 tuning; notes_coded_attention.md).
+
+Standalone (torch, triton and `triton_ops` only): random stored codes at Ouro's head shape (16 x 128, sink 32, window
+256, pages of 32, value groups of 32), one new token. For each setting of `ops.ROW1_TUNING` it first checks the kernel
+against the reference on the same codes (bf16, batch 2, padding, 2K context; V precision with its cold count), then
+times the call captured in a CUDA graph (`triton.testing.do_bench`, L2 flushed, median) and prints a table of
+microseconds and TB/s of bytes read (the same byte count as `bench_coded_attention.py`).
+
+    python -m benchmarks.tune_coded_attention --out /tmp/sweep.json \\
+        --configs '4,4,1,4' '2,4,1,4' --batches 1 8 32 --contexts 8192 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+HEADS, D, SINK, WINDOW, PAGE, GROUP = 16, 128, 32, 256, 32, 32
+E = HEADS * D
+
+
+def _data(bmax, tmax, dev, gen):
+    """Random codes and scales (timing does not depend on the values; the scales keep scores in a sane range)."""
+    hist = tmax - SINK - WINDOW
+    hist -= hist % PAGE
+    pages = hist // PAGE
+
+    def rn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(
+            torch.bfloat16 if dev == "cuda" else torch.float32
+        )
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=gen, device=dev, dtype=torch.uint8)
+
+    q = rn(bmax, HEADS, 1, D, scale=2.0)
+    d = dict(
+        q=q,
+        sk=rn(bmax, HEADS, SINK, D) + 3 * q, sv=rn(bmax, HEADS, SINK, D),
+        wk=rn(bmax, HEADS, WINDOW + PAGE, D), wv=rn(bmax, HEADS, WINDOW + PAGE, D),
+        nk=rn(bmax, HEADS, 1, D), nv=rn(bmax, HEADS, 1, D),
+        kc4=codes(bmax, HEADS, hist, D // 2), kc2=codes(bmax, HEADS, hist, D // 4),
+        ks=(torch.rand(bmax, HEADS, pages, D, generator=gen, device=dev) * 0.25 + 0.05).half(),
+        kz=(torch.randn(bmax, HEADS, pages, D, generator=gen, device=dev) * 0.5 - 1.0).half(),
+        vh=codes(bmax, HEADS, hist, D // 4), vl=codes(bmax, HEADS, hist, D // 4),
+        vs=(torch.rand(bmax, HEADS, hist, D // GROUP, generator=gen, device=dev) * 0.25 + 0.05).half(),
+        vz=(torch.randn(bmax, HEADS, hist, D // GROUP, generator=gen, device=dev) * 0.5 - 1.0).half(),
+    )  # fmt: skip
+    return d
+
+
+def _view(d, b, ctx, nbits, valid=None):
+    from triton_ops.coded_attention import CellView
+    from triton_ops.quant import naive
+
+    n_hist = ctx - SINK - WINDOW
+    n_hist -= n_hist % PAGE
+    w_len = ctx - SINK - n_hist
+    if nbits:
+        kc = d["kc4"] if nbits == 4 else d["kc2"]
+        hk = naive.QuantizedKeys(
+            kc[:b, :, :n_hist], d["ks"][:b, :, : n_hist // PAGE], d["kz"][:b, :, : n_hist // PAGE], nbits, PAGE
+        )
+        hv = naive.QuantizedValues(
+            d["vh"][:b, :, :n_hist], d["vl"][:b, :, :n_hist] if nbits == 4 else None, d["vs"][:b, :, :n_hist],
+            d["vz"][:b, :, :n_hist], nbits, GROUP,
+        )  # fmt: skip
+    else:
+        hk = hv = None
+    bound = torch.full((b, 1), SINK + n_hist, dtype=torch.int32, device=d["q"].device)
+    view = CellView(
+        new_key=d["nk"][:b], new_value=d["nv"][:b], length=ctx, history_end=bound, sink_key=d["sk"][:b],
+        sink_value=d["sv"][:b], history_start=SINK, history_key=hk, history_value=hv, window_start=SINK + n_hist,
+        window_key=d["wk"][:b, :, :w_len], window_value=d["wv"][:b, :, :w_len], key_valid=valid,
+    )  # fmt: skip
+    return view, n_hist
+
+
+def _tau_for_cold(d, view, n_hist, target=0.8):
+    """tau (natural-log margin / ln 2) at which `target` of batch row 0's history tokens are cold."""
+    from triton_ops.quant import naive
+
+    hk = view.history_key
+    k = naive.dequantize_keys(naive.QuantizedKeys(hk.codes[:1], hk.scale[:1], hk.zero[:1], 4, PAGE)).float()
+    s = torch.einsum("hd,htd->ht", d["q"][0, :, 0].float(), k[0]) * D**-0.5
+    seed = (torch.einsum("hd,htd->ht", d["q"][0, :, 0].float(), d["sk"][0].float()) * D**-0.5).amax(-1)
+    pm = s.unflatten(-1, (n_hist // PAGE, PAGE)).amax(-1)
+    run = torch.maximum(torch.cummax(pm, -1).values, seed[:, None]).repeat_interleave(PAGE, -1)
+    gap = (run - s).flatten()
+    margin = float(torch.quantile(gap[: 2**24], 1 - target))
+    return margin / math.log(2.0), float((gap > margin).float().mean())
+
+
+def _graph_ms(fn):
+    import triton
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median")
+
+
+def check(d, tune, nbits, vprec):
+    """Max |kernel - reference| of out (and lse) at batch 2, 2K context, left padding; cold counts with V prec."""
+    from triton_ops.coded_attention import reference_coded_attention
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    ctx = 2048
+    valid = torch.ones(2, ctx + 1, dtype=torch.bool, device=d["q"].device)
+    valid[0, :3] = False
+    valid[1, SINK + 100 : SINK + 400] = False
+    view, n_hist = _view(d, 2, ctx, nbits, valid)
+    # a random sink (the timing data's sink leans on the query and would hide the history)
+    view = dataclasses.replace(view, sink_key=d["wk"][:2, :, :SINK], sink_value=d["wv"][:2, :, :SINK])
+    tau = 0.5 if vprec else None  # a mix of cold and hot tokens at these scores
+    q = d["q"][:2] * 0.5
+    sk, sr = (torch.zeros(2, dtype=torch.int64, device=q.device) for _ in range(2))
+    out, lse = _coded_attention_fwd(q, view, scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sk, tuning=tune)
+    ref, rlse = reference_coded_attention(
+        q.float(), _cast(view), scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sr
+    )
+    return dict(
+        err=(out.float() - ref).abs().max().item(), lse_err=(lse - rlse).abs().max().item(),
+        ref_scale=ref.abs().max().item(), cold=sk.tolist(), cold_ref=sr.tolist(),
+    )  # fmt: skip
+
+
+def _cast(view):
+    f = {}
+    for name in ("new_key", "new_value", "sink_key", "sink_value", "window_key", "window_value"):
+        t = getattr(view, name)
+        f[name] = None if t is None else t.float()
+    return dataclasses.replace(view, **f)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64])
+    p.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
+    p.add_argument("--providers", nargs="+", default=["int4"])
+    p.add_argument("--baseline", action="store_true", help="also time v2 (ROW1 off) and SDPA over BF16")
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: only the checks, under TRITON_INTERPRET=1 (bf16 -> fp32)")
+    args = p.parse_args(argv)
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    dev = args.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bmax, tmax = max(args.batches), max(args.contexts)
+    t0 = time.time()
+    d = _data(bmax, tmax, dev, gen)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    print(f"data {time.time() - t0:.1f}s", flush=True)
+    configs = []
+    for c in args.configs:
+        pg, nw, st, ps = (int(x) for x in c.split(","))
+        configs.append((c, dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps)))
+    if args.baseline:
+        configs.insert(0, ("v2", dict(enabled=False)))
+    rows = []
+    taus = {}
+    for name, tune in configs:
+        for prov in args.providers:
+            nbits = 2 if prov == "int2" else 4
+            vprec = prov == "int4-vprec"
+            t1 = time.time()
+            try:
+                chk = check(d, tune, nbits, vprec)
+            except Exception as exc:  # a setting that does not compile is a result, not a crash
+                print(f"{name} {prov}: check failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                rows.append(dict(config=name, provider=prov, error=str(exc)[:300]))
+                continue
+            print(f"{name} {prov}: check {chk} ({time.time() - t1:.1f}s)", flush=True)
+            if dev != "cuda":
+                continue
+            for ctx in args.contexts:
+                for b in args.batches:
+                    view, n_hist = _view(d, b, ctx, nbits)
+                    per_tok = E * (nbits / 8 * 2 + 4 / PAGE + 4 / GROUP)
+                    hist_bytes = n_hist * per_tok
+                    tau = None
+                    row = dict(config=name, provider=prov, batch=b, context=ctx, **tune)
+                    if vprec:
+                        if (ctx, b) not in taus:
+                            taus[(ctx, b)] = _tau_for_cold(d, view, n_hist)
+                        tau, cold = taus[(ctx, b)]
+                        row.update(tau=tau, cold_fraction=cold)
+                        hist_bytes -= n_hist * cold * E / 4
+                        if b * HEADS < 132:
+                            hist_bytes += n_hist * E * (nbits / 8 + 4 / PAGE)
+                    nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + 1) * 2 * E * 2)
+                    q = d["q"][:b]
+
+                    def fn(q=q, v=view, t=tau, tn=tune):
+                        return _coded_attention_fwd(q, v, scaling=D**-0.5, v_precision_tau=t, tuning=tn)
+
+                    ms = _graph_ms(fn)
+                    row.update(us=ms * 1e3, tb_s=nbytes / ms / 1e9, bytes_read=int(nbytes), check_err=chk["err"])
+                    rows.append(row)
+            print(f"  timed in {time.time() - t1:.1f}s", flush=True)
+    if args.baseline and dev == "cuda":
+        for ctx in args.contexts:
+            for b in args.batches:
+                kk = torch.cat([d["sk"][:b], d["wk"][:b].repeat(1, 1, (ctx + 1) // (WINDOW + PAGE) + 1, 1)], 2)[
+                    :, :, : ctx + 1
+                ]
+                vv = torch.cat([d["sv"][:b], d["wv"][:b].repeat(1, 1, (ctx + 1) // (WINDOW + PAGE) + 1, 1)], 2)[
+                    :, :, : ctx + 1
+                ]
+                kk, vv = kk.contiguous(), vv.contiguous()
+                ms = _graph_ms(
+                    lambda q=d["q"][:b], kk=kk, vv=vv: F.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5)
+                )
+                rows.append(dict(config="sdpa-bf16", provider="sdpa-bf16", batch=b, context=ctx, us=ms * 1e3,
+                                 tb_s=b * (ctx + 1) * 4 * E / ms / 1e9))  # fmt: skip
+                del kk, vv
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows),
+                f,
+            )
+    cells = sorted({(r["context"], r["batch"]) for r in rows if "us" in r})
+    keys = sorted({(r["config"], r["provider"]) for r in rows if "us" in r}, key=lambda k: (k[1], k[0]))
+    print("us (TB/s) per config x provider; columns: " + ", ".join(f"{c}:{b}" for c, b in cells))
+    by = {(r["config"], r["provider"], r["context"], r["batch"]): r for r in rows if "us" in r}
+    for k in keys:
+        vals = [by.get((*k, c, b)) for c, b in cells]
+        print(
+            f"{k[0]:>10} {k[1]:>10} "
+            + " ".join(f"{v['us']:7.1f}({v['tb_s']:.2f})" if v else "      -      " for v in vals)
+        )
+
+
+if __name__ == "__main__":
+    main()
