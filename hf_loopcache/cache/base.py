@@ -392,7 +392,11 @@ class LoopCache(Cache):
     def captured_steps(self) -> list[dict[str, Any]]:
         """The decode steps `generate` captured for this static cache: batch size and capture seconds (its eager
         warm-up step plus the capture), one entry per graph."""
-        return [{"batch": key[0], "capture_s": round(entry.capture_s, 3)} for key, entry in self._graphs.items()]
+        return [
+            {"batch": key[0], "capture_s": round(entry.capture_s, 3)}
+            for key, entry in self._graphs.items()
+            if entry is not None  # None: the step could not be captured and decodes eagerly
+        ]
 
     def _advance_host(self, query_length: int) -> None:
         """After a replayed decode step: the host lengths of the cells it wrote (every cell) advance."""

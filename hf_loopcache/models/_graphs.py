@@ -20,10 +20,13 @@ from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 
 from hf_loopcache._compat import OUTPUT_CACHE_FIELD, generate_cache
 
 __all__ = ["DecodeGraphs"]
+
+logger = logging.get_logger(__name__)
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -109,6 +112,8 @@ class DecodeGraphs:
         if mask is not None and mask.shape[1] > 1:  # earlier columns may have changed (holes of a verification)
             width = min(mask.shape[1] - 1, cache.max_cache_len)
             cache._valid_t[: mask.shape[0], :width].copy_(mask[:, :width].bool())
+        if key in cache._graphs and cache._graphs[key] is None:  # capture failed before: eager
+            return self.model(*args, **kwargs)
         entry = cache._graphs.get(key)
         if entry is None:
             return self._capture(key, cache, kwargs)
@@ -144,8 +149,14 @@ class DecodeGraphs:
         # the warm-up is this step, run eagerly (it writes the cache)
         logits = self._warm_up(lambda: self._forward(entry, cache, kwargs).logits.clone())
         lengths = cache._host_lengths()
-        entry.graph, entry.logits = self._record(lambda: self._forward(entry, cache, kwargs).logits, cache)
-        cache._restore_host_lengths(lengths)  # the recording ran the host side of the step once more
+        try:
+            entry.graph, entry.logits = self._record(lambda: self._forward(entry, cache, kwargs).logits, cache)
+        except RuntimeError as err:  # an op that cannot be captured: this batch size decodes eagerly from now on
+            logger.warning_once(f"the decode step could not be captured in a CUDA graph ({err}); decoding eagerly")
+            cache._graphs[key] = None
+            return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
+        finally:
+            cache._restore_host_lengths(lengths)  # the recording ran the host side of the step once more
         cache._graphs[key] = entry
         entry.capture_s = time.perf_counter() - start
         return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})

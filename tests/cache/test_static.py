@@ -342,3 +342,29 @@ def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
     seen[t] = True
     weights = torch.softmax((query @ keys.transpose(-1, -2) * 0.5).masked_fill(~seen, float("-inf")), dim=-1)
     torch.testing.assert_close(out, weights @ values)
+
+
+def test_decode_graphs_fall_back_to_eager_when_capture_fails(monkeypatch):
+    """A step that cannot be captured (an op CUDA graphs refuse) decodes eagerly, with the same tokens, and is not
+    tried again for that batch size."""
+    from transformers import CompileConfig
+
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    tries = []
+
+    def refuse(self, fn, cache):
+        tries.append(1)  # a failed recording has run nothing on the device
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
+    monkeypatch.setattr(DecodeGraphs, "_record", refuse)
+    model = make_model("ouro").float()
+    config = CompileConfig()
+    config._compile_all_devices = True
+    ids, mask = _prompt(2, True)
+    cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=24)
+    got = _generate(model, "ouro", ids, mask, cache, new=6, compile_config=config)
+    assert torch.equal(got, _generate(model, "ouro", ids, mask, FullLoopCache(model), new=6))
+    assert tries == [1] and cache.captured_steps() == []

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
-from hf_loopcache.attention import dense_attention
+from hf_loopcache.attention import _backends_without_cudnn, dense_attention
 from hf_loopcache.cache.layers.base import LoopLayerBase
 
 if TYPE_CHECKING:
@@ -173,6 +174,11 @@ class StaticDenseLayer(LoopLayerBase):
                     ~mask, float("-inf")
                 )
             mask = bias
+        if query.is_cuda and not torch.compiler.is_compiling() and torch.backends.cuda.cudnn_sdp_enabled():
+            with sdpa_kernel(_backends_without_cudnn()):  # the backends a decode step uses elsewhere in the package
+                return F.scaled_dot_product_attention(
+                    query, k, v, attn_mask=mask, scale=read.scaling, enable_gqa=groups > 1
+                ).to(query.dtype)
         return F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, scale=read.scaling, enable_gqa=groups > 1
         ).to(query.dtype)
