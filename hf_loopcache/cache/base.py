@@ -117,8 +117,8 @@ class LoopCache(Cache):
             raise TypeError(f"`v_precision` must be a VPrecision, a float tau, or None; got {v_precision!r}")
         _check_static(plan, static, max_batch_size, max_cache_len)
         self.static = bool(static)
-        self.max_batch_size = max_batch_size
-        self.max_cache_len = max_cache_len
+        # not `self.max_batch_size = ...`: transformers 5.17's `Cache` has read-only properties of those names
+        self._static_rows, self._static_len = max_batch_size, max_cache_len
         self._length_t: torch.Tensor | None = None  # static: positions held, on the device (advanced in the step)
         self._valid_t: torch.Tensor | None = None  # static: key validity [max_batch_size, max_cache_len]
         self._graphs: dict[Any, Any] = {}  # static: captured decode steps (see `hf_loopcache.models._graphs`)
@@ -315,6 +315,16 @@ class LoopCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return self.static
+
+    @property
+    def max_batch_size(self) -> int:  # type: ignore[override]
+        """Rows of a static cache's storage; a growable cache's current rows (-1 before its first write)."""
+        return self._static_rows if self.static else self.batch_size  # type: ignore[return-value]
+
+    @property
+    def max_cache_len(self) -> int:  # type: ignore[override]
+        """Positions of a static cache's storage; -1 for a growable cache (no maximum)."""
+        return self._static_len if self.static else -1  # type: ignore[return-value]
 
     # ----------------------------------------------------------------------------- static mode
     def static_inputs(

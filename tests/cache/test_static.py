@@ -368,3 +368,19 @@ def test_decode_graphs_fall_back_to_eager_when_capture_fails(monkeypatch):
     got = _generate(model, "ouro", ids, mask, cache, new=6, compile_config=config)
     assert torch.equal(got, _generate(model, "ouro", ids, mask, FullLoopCache(model), new=6))
     assert tries == [1] and cache.captured_steps() == []
+
+
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_static_cache_builds_where_transformers_has_read_only_max_properties(monkeypatch, name):
+    """transformers 5.17's `Cache` has read-only `max_batch_size` / `max_cache_len` properties (gone in 5.24): a static
+    cache and its layers must not assign attributes of those names (seen on the GPU machine)."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    for cls in (Cache, CacheLayerMixin):
+        for attr in ("max_batch_size", "max_cache_len"):
+            monkeypatch.setattr(cls, attr, property(lambda self: None), raising=False)
+    model = make_model("ouro").float()
+    ids, mask = _prompt(2, True)
+    cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=24)
+    assert (cache.max_batch_size, cache.max_cache_len) == (2, 24)
+    assert torch.equal(_generate(model, "ouro", ids, mask, cache), _generate(model, "ouro", ids, mask, CACHES[name](model)))

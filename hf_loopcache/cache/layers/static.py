@@ -91,19 +91,19 @@ class StaticDenseLayer(LoopLayerBase):
 
     def __init__(self, max_batch_size: int, max_cache_len: int) -> None:
         super().__init__()
-        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.max_rows, self.max_positions = max_batch_size, max_cache_len  # not `max_*`: transformers' names
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows = key_states.shape[0]
-        if rows > self.max_batch_size:
+        if rows > self.max_rows:
             raise ValueError(
-                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_batch_size}`"
+                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_rows}`"
             )
         super().lazy_initialization(key_states, value_states)
-        shape = (self.max_batch_size, key_states.shape[1], self.max_cache_len, key_states.shape[3])
+        shape = (self.max_rows, key_states.shape[1], self.max_positions, key_states.shape[3])
         k = self.k
         if k is None or k.shape != shape or k.dtype != key_states.dtype or k.device != key_states.device:
             self.k = key_states.new_zeros(shape)
@@ -115,9 +115,9 @@ class StaticDenseLayer(LoopLayerBase):
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         q = key.shape[2]
-        if self.length + q > self.max_cache_len:
+        if self.length + q > self.max_positions:
             raise ValueError(
-                f"this static cache holds at most `max_cache_len={self.max_cache_len}` positions; writing {q} more "
+                f"this static cache holds at most `max_cache_len={self.max_positions}` positions; writing {q} more "
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
         k, v = self._views()
@@ -227,20 +227,20 @@ class StaticDenseLayer(LoopLayerBase):
         self.length = 0
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        return self.max_cache_len, 0
+        return self.max_positions, 0
 
     def get_max_length(self) -> int:
-        return self.max_cache_len
+        return self.max_positions
 
     def get_max_cache_shape(self) -> int:
-        return self.max_cache_len
+        return self.max_positions
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep rows `index` in place (the storage keeps its addresses); at most `max_batch_size` rows."""
         rows = int(index.shape[0])
-        if rows > self.max_batch_size:
+        if rows > self.max_rows:
             raise ValueError(
-                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_batch_size}`"
+                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_rows}`"
             )
         if self.k is not None and self.v is not None:
             index = index.to(self.k.device)
@@ -296,7 +296,7 @@ class StaticSharedLayer(LoopLayerBase):
         if not isinstance(source, StaticDenseLayer):
             raise TypeError(f"`source` of a static shared cell must be a StaticDenseLayer, got {type(source).__name__}")
         self.source, self.window, self.page = source, window, page_size
-        self.capacity, self.max_batch_size = capacity, max_batch_size
+        self.capacity, self.max_rows = capacity, max_batch_size
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.high = 0  # one past the highest position written since the last reset (host)
@@ -306,12 +306,12 @@ class StaticSharedLayer(LoopLayerBase):
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows = key_states.shape[0]
-        if rows > self.max_batch_size:
+        if rows > self.max_rows:
             raise ValueError(
-                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_batch_size}`"
+                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_rows}`"
             )
         super().lazy_initialization(key_states, value_states)
-        shape = (self.max_batch_size, key_states.shape[1], self.capacity, key_states.shape[3])
+        shape = (self.max_rows, key_states.shape[1], self.capacity, key_states.shape[3])
         k = self.k
         if k is None or k.shape != shape or k.dtype != key_states.dtype or k.device != key_states.device:
             self.k = key_states.new_zeros(shape)
@@ -477,19 +477,19 @@ class StaticSharedLayer(LoopLayerBase):
             self.own_start_t.zero_()
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        return self.source.max_cache_len, 0
+        return self.source.max_positions, 0
 
     def get_max_length(self) -> int:
-        return self.source.max_cache_len
+        return self.source.max_positions
 
     def get_max_cache_shape(self) -> int:
-        return self.source.max_cache_len
+        return self.source.max_positions
 
     def select_batch(self, index: torch.Tensor) -> None:
         rows = int(index.shape[0])
-        if rows > self.max_batch_size:
+        if rows > self.max_rows:
             raise ValueError(
-                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_batch_size}`"
+                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_rows}`"
             )
         if self.k is not None and self.v is not None:
             index = index.to(self.k.device)
