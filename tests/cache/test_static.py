@@ -187,17 +187,18 @@ def test_captured_decode_equals_eager_cuda(arch, name):
     assert torch.equal(eager, expected) and torch.equal(captured, expected) and torch.equal(again, expected)
 
 
-def test_static_dense_read_methods_agree(monkeypatch):
-    """The dense read as `scaled_dot_product_attention` with the boolean mask and as `masked_attention` (the same
-    helper shared cells use) give the growable cache's tokens."""
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_static_read_methods_agree(monkeypatch, name):
+    """Static reads as `scaled_dot_product_attention` with an additive mask (a shared cell over its source and ring
+    concatenated) and as `masked_attention` over the segments in place give the growable cache's tokens."""
     from hf_loopcache.cache.layers.static import StaticDenseLayer
 
     model = make_model("ouro").float()
     ids, mask = _prompt(3, True)
-    expected = _generate(model, "ouro", ids, mask, FullLoopCache(model))
+    expected = _generate(model, "ouro", ids, mask, CACHES[name](model))
     for method in ("sdpa", "matmul"):
         monkeypatch.setattr(StaticDenseLayer, "read_method", method)
-        cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=24)
+        cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=24)
         assert torch.equal(_generate(model, "ouro", ids, mask, cache), expected)
 
 
