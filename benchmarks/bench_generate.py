@@ -10,7 +10,8 @@ Peers (`--peers`): a plain `Qwen2ForCausalLM` of the looped model's width whose 
 model's slot count (Ouro-1.4B: 24 layers x 4 loops = 96 layers), so it stores the same KV bytes per token as
 `FullLoopCache` and runs the same attention and MLP work per token; measured in the same run with transformers'
 `DynamicCache` (`dynamic`), `StaticCache` with transformers' automatically compiled decode step (`static`), and
-`QuantizedCache` (`quantized`, needs a quantization backend; recorded as unavailable without one).
+`QuantizedCache` (`quantized`, needs a quantization backend; recorded as unavailable without one). The result file is rewritten after
+every row, so a run stopped by a time limit keeps the rows that finished.
 
 Modes of the looped caches (`--modes`): `eager` (the growable cache, the default), `static` (the same plan built with
 `static=True, max_batch_size=batch, max_cache_len=context`, decoded eagerly: `generate(disable_compile=True)`), and
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                                   count_kernels=args.count_kernels, mode=mode, reference=reference)
                     print(row, flush=True)
                     rows.append(row)
+                    write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
         if args.peers:
             peer = peer_model(model, dtype, device)
             del model
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                                   count_kernels=args.count_kernels)
                     print(row, flush=True)
                     rows.append(row)
+                    write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
             del peer
         else:
             del model
