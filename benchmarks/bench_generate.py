@@ -10,7 +10,16 @@ Peers (`--peers`): a plain `Qwen2ForCausalLM` of the looped model's width whose 
 model's slot count (Ouro-1.4B: 24 layers x 4 loops = 96 layers), so it stores the same KV bytes per token as
 `FullLoopCache` and runs the same attention and MLP work per token; measured in the same run with transformers'
 `DynamicCache` (`dynamic`), `StaticCache` with transformers' automatically compiled decode step (`static`), and
-`QuantizedCache` (`quantized`, needs a quantization backend; recorded as unavailable without one).
+`QuantizedCache` (`quantized`, needs a quantization backend; recorded as unavailable without one). The result file is rewritten after
+every row, so a run stopped by a time limit keeps the rows that finished.
+
+Modes of the looped caches (`--modes`): `eager` (the growable cache, the default), `static` (the same plan built with
+`static=True, max_batch_size=batch, max_cache_len=context`, decoded eagerly: `generate(disable_compile=True)`), and
+`graph` (static, decoded through `generate`'s compiled call, which replays a CUDA graph of the one-token step per
+batch size). A static cache is built once per configuration and `reset()` between runs, so the graph captured in the
+warm-up run is replayed by the measured ones; `capture_s` is the warm-up step plus the capture. Static rows record
+whether their greedy tokens equal the eager run's (`tokens_equal_eager`, when `eager` ran first) and, for `graph`,
+the static eager run's (`tokens_equal_static`), with the first generated step that differs.
 """
 
 from __future__ import annotations
@@ -23,19 +32,21 @@ import torch
 
 from benchmarks.common import build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
+from hf_loopcache.cache.layers.static import StaticDenseLayer
 
-CACHES = {
-    "full": lambda model: FullLoopCache(model),
-    "ripe64": lambda model: RIPECache(model, window=64),
-    "deepest": lambda model: DeepestPlaneCache(model),
-    "kivi4": lambda model: LoopKVCache(model, "kivi4", tau=None),
-    "kivi4-vp": lambda model: LoopKVCache(model, "kivi4"),
-    "kivi2": lambda model: LoopKVCache(model, "kivi2", tau=None),
-    "kivi4-share": lambda model: LoopKVCache(model, "kivi4-share", tau=None),
-    "hand": lambda model: LoopKVCache(model, "hand", tau=None),
+CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
+    "full": lambda model, **kw: FullLoopCache(model, **kw),
+    "ripe64": lambda model, **kw: RIPECache(model, window=64, **kw),
+    "deepest": lambda model, **kw: DeepestPlaneCache(model, **kw),
+    "kivi4": lambda model, **kw: LoopKVCache(model, "kivi4", tau=None, **kw),
+    "kivi4-vp": lambda model, **kw: LoopKVCache(model, "kivi4", **kw),
+    "kivi2": lambda model, **kw: LoopKVCache(model, "kivi2", tau=None, **kw),
+    "kivi4-share": lambda model, **kw: LoopKVCache(model, "kivi4-share", tau=None, **kw),
+    "hand": lambda model, **kw: LoopKVCache(model, "hand", tau=None, **kw),
 }
 
 PEERS = ("dynamic", "static", "quantized")
+MODES = ("eager", "static", "graph")
 
 
 def peer_model(looped: Any, dtype: torch.dtype, device: str):
@@ -109,6 +120,8 @@ def run_one(
     *,
     peer: bool = False,
     count_kernels: bool = False,
+    mode: str = "eager",
+    reference: dict[tuple, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
@@ -118,6 +131,8 @@ def run_one(
     row: dict[str, Any] = {
         "shape": shape,
         "cache": cache_name,
+        "mode": "peer" if peer else mode,
+        "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -130,6 +145,10 @@ def run_one(
         row["kv_bytes_per_token_formula"] = model.loop_layout.full_bytes_per_token()
     extra = {"init_scale": 0.0} if shape.startswith("huginn") and not peer else {}
     gen = dict(attention_mask=mask, do_sample=False, pad_token_id=0, **extra)
+    static_cache = None
+    if not peer and mode != "eager":
+        static_cache = CACHES[cache_name](model, static=True, max_batch_size=batch, max_cache_len=context)
+        gen["disable_compile"] = mode == "static"
 
     def generate(tokens: int) -> tuple[torch.Tensor, Any]:
         if peer:
@@ -137,7 +156,8 @@ def run_one(
             out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, return_dict_in_generate=True,
                                  **kwargs, **gen)
             return out.sequences, out.past_key_values
-        cache = CACHES[cache_name](model)
+        cache = CACHES[cache_name](model) if static_cache is None else static_cache
+        cache.reset()
         out = model.generate(ids, cache=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
         return out, cache
 
@@ -145,6 +165,11 @@ def run_one(
         if peer and cache_name == "static":  # compile warm-up at this batch size, reported apart
             _, t_warm, _ = _timed(lambda: generate(4), device)
             row["compile_warmup_s"] = round(t_warm, 2)
+        if static_cache is not None:  # warm-up at this batch size (captures the decode step in `graph` mode)
+            _, t_warm, _ = _timed(lambda: generate(4), device)
+            row["warmup_s"] = round(t_warm, 2)
+            if mode == "graph":
+                row["capture_s"] = [step["capture_s"] for step in static_cache.captured_steps()]
         reset_peak(device)
         prefill_only, t_prefill, c_prefill = _timed(lambda: generate(1), device)
         del prefill_only  # free its cache before the full run
@@ -163,6 +188,14 @@ def run_one(
             peak_memory_gib=peak_gib(device),
             generated=int(out.shape[1] - prompt_len),
         )
+        if reference is not None and not peer:
+            key = (shape, cache_name, batch, context, new_tokens)
+            reference[(*key, mode)] = out.cpu()
+            for other in ("eager", "static"):
+                if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
+                    seen = reference[(*key, other)]
+                    row[f"tokens_equal_{other}"] = bool(torch.equal(seen, out.cpu()))
+                    row[f"first_mismatch_{other}"] = _first_mismatch(seen, out.cpu(), prompt_len)
         if not peer:
             row.update(
                 cache_allocated_gib=round(cache.nbytes() / 2**30, 3),
@@ -185,6 +218,12 @@ def run_one(
     return row
 
 
+def _first_mismatch(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None:
+    """The first generated step at which two greedy outputs differ (None when equal)."""
+    differ = (a[:, start:] != b[:, start:]).any(dim=0).nonzero()
+    return None if differ.numel() == 0 else int(differ[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"], help="model shapes")
@@ -197,7 +236,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="generate", help="result file name under benchmarks/results/")
     parser.add_argument("--device", default="cuda", help="torch device")
     parser.add_argument("--count-kernels", action="store_true", help="also count CUDA kernels per decode step")
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
+                        help="looped-cache modes: growable eager, static eager, static with the captured decode step")
+    parser.add_argument("--static", action="store_true", help="add the `static` mode")
+    parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
+    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "matmul"),
+                        help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     args = parser.parse_args(argv)
+    modes = [m for m in MODES if m in args.modes or (m == "static" and args.static) or (m == "graph" and args.graph)]
+    reference: dict[tuple, torch.Tensor] = {}
+    StaticDenseLayer.read_method = args.static_read
     device = args.device
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -208,10 +256,12 @@ def main(argv: list[str] | None = None) -> None:
         model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches:
             for batch in args.batches:
-                row = run_one(model, shape, cache_name, batch, args.context, args.new_tokens, device,
-                              count_kernels=args.count_kernels)
-                print(row, flush=True)
-                rows.append(row)
+                for mode in modes:
+                    row = run_one(model, shape, cache_name, batch, args.context, args.new_tokens, device,
+                                  count_kernels=args.count_kernels, mode=mode, reference=reference)
+                    print(row, flush=True)
+                    rows.append(row)
+                    write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
         if args.peers:
             peer = peer_model(model, dtype, device)
             del model
@@ -223,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                                   count_kernels=args.count_kernels)
                     print(row, flush=True)
                     rows.append(row)
+                    write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
             del peer
         else:
             del model

@@ -10,6 +10,12 @@ import json
 from pathlib import Path
 
 
+def _name(row: dict) -> str:
+    """The cache, with its mode when it is not the growable cache's eager decoding (`static`, `graph`)."""
+    mode = row.get("mode")
+    return row["cache"] if mode in (None, "eager", "peer") else f"{row['cache']} ({mode})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("results", nargs="+", help="result JSON files written by `benchmarks.run generate`")
@@ -25,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 8), squeeze=False)
     for col, shape in enumerate(shapes):
         mine = [r for r in rows if r["shape"] == shape]
-        labels = sorted({(r["model"], r["cache"]) for r in mine})
+        labels = sorted({(r["model"], _name(r)) for r in mine})
         batches = sorted({r["batch"] for r in mine})
         width = 0.8 / max(1, len(labels))
         for i, (model, cache) in enumerate(labels):
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
             for row_idx, key in enumerate(("decode_tokens_per_s", "peak_memory_gib")):
                 xs, ys = [], []
                 for j, b in enumerate(batches):
-                    hit = [r for r in mine if r["batch"] == b and (r["model"], r["cache"]) == (model, cache)]
+                    hit = [r for r in mine if r["batch"] == b and (r["model"], _name(r)) == (model, cache)]
                     if hit and hit[0].get(key) is not None:
                         xs.append(j + i * width)
                         ys.append(hit[0][key])

@@ -54,10 +54,21 @@ class AttentionInputs:
         key_valid (`torch.BoolTensor` of shape `[batch, total_length]`, *optional*): True where the position holds a
             real token; None when all positions are real. `total_length` covers the cached positions plus the new ones.
         scaling (`float`): softmax scale, usually `head_dim ** -0.5`.
+        positions (`torch.LongTensor` of shape `[q]`, *optional*): with a static cache, the storage positions the new
+            tokens are written at, on the device (the same tensor shape and address every decode step).
+        static_valid (`torch.BoolTensor` of shape `[B, max_cache_len]`, *optional*): with a static cache, key validity
+            over its whole storage (positions past the new tokens are masked by causality, not by this).
+        static_mask (`torch.BoolTensor` of shape `[B, 1, q, max_cache_len]`, *optional*): with a static cache, the
+            visibility of every storage position to the new tokens (`static_mask(positions, static_valid)`).
+        length (`int`, *optional*): with a static cache, the positions it held before this forward (host side).
     """
 
     key_valid: torch.Tensor | None
     scaling: float
+    positions: torch.Tensor | None = None
+    static_valid: torch.Tensor | None = None
+    static_mask: torch.Tensor | None = None
+    length: int | None = None
 
 
 @runtime_checkable

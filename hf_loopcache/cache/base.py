@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
+from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
@@ -59,6 +60,15 @@ class LoopCache(Cache):
         max_rollback (`int`, *optional*, defaults to 0): recent positions kept at full precision beyond the window so
             that `crop` by up to this many positions restores exactly the state sequential decoding would have.
         v_precision (`VPrecision` or `float`, *optional*): LoopKV read-time value precision (a float is `tau`).
+        static (`bool`, *optional*, defaults to False): preallocate every cell for `max_batch_size` rows and
+            `max_cache_len` positions and keep the write position and key validity as device tensors, so that a
+            one-token decode step has the same shapes and addresses every step (`is_compileable`; captured in a CUDA
+            graph by `generate` on CUDA). Supported for plans of `bf16` and `share` cells without a sink
+            (`FullLoopCache`, `RIPECache`, `DeepestPlaneCache`); a shared cell keeps its own recent positions in a
+            ring sized by the window and `max_rollback` (`StaticSharedLayer`).
+        max_batch_size (`int`, *optional*): rows of a static cache (required with `static=True`).
+        max_cache_len (`int`, *optional*): positions of a static cache, prompt and generated tokens (required with
+            `static=True`).
 
     Example:
 
@@ -86,6 +96,9 @@ class LoopCache(Cache):
         num_loops: int | None = None,
         max_rollback: int = 0,
         v_precision: VPrecision | float | None = None,
+        static: bool = False,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
     ) -> None:
         model_layout = resolve_layout(model_or_layout)
         if plan is None:
@@ -102,6 +115,14 @@ class LoopCache(Cache):
             v_precision = VPrecision(tau=float(v_precision), page_size=plan.page_size)
         if v_precision is not None and not isinstance(v_precision, VPrecision):
             raise TypeError(f"`v_precision` must be a VPrecision, a float tau, or None; got {v_precision!r}")
+        _check_static(plan, static, max_batch_size, max_cache_len)
+        self.static = bool(static)
+        # not `self.max_batch_size = ...`: transformers 5.17's `Cache` has read-only properties of those names
+        self._static_rows, self._static_len = max_batch_size, max_cache_len
+        self._length_t: torch.Tensor | None = None  # static: positions held, on the device (advanced in the step)
+        self._valid_t: torch.Tensor | None = None  # static: key validity [max_batch_size, max_cache_len]
+        self._graphs: dict[Any, Any] = {}  # static: captured decode steps (see `hf_loopcache.models._graphs`)
+        self._graph_pool: Any = None  # static: the memory pool the captured steps share
         self.plan = plan
         self.layout = plan.layout
         self.max_rollback = max_rollback
@@ -128,10 +149,20 @@ class LoopCache(Cache):
             sink=self.plan.sink, window=self.plan.window, page_size=self.plan.page_size, rollback=self.max_rollback
         )
         if option == "bf16":
+            if self.static:
+                return StaticDenseLayer(self.max_batch_size, self.max_cache_len)  # type: ignore[arg-type]
             return DenseLayer()
         if option == "share":
             if source is None:
                 raise ValueError(f"cell {cell} shares, but no source cell was given")
+            if self.static:
+                return StaticSharedLayer(
+                    source,  # type: ignore[arg-type]
+                    window=self.plan.window,
+                    page_size=self.plan.page_size,
+                    capacity=ring_capacity(self.plan.window, self.plan.page_size, self.max_rollback),
+                    max_batch_size=self.max_batch_size,  # type: ignore[arg-type]
+                )
             return SharedLayer(source, **sizes)
         return CodedLayer(4 if option == "int4" else 2, group_size=self.plan.group_size, **sizes)
 
@@ -186,17 +217,26 @@ class LoopCache(Cache):
             self._read = (inputs, {})
         states = self._read[1]
         key_valid = inputs.key_valid
-        home = key_valid.device if key_valid is not None else None
-        device = torch.device(device) if device is not None and key_valid is not None else home
+        anchor = key_valid if key_valid is not None else inputs.static_valid  # a static cache's state has its own
+        home = anchor.device if anchor is not None else None
+        device = torch.device(device) if device is not None and anchor is not None else home
+
+        def to(t: torch.Tensor | None, where: torch.device | None) -> torch.Tensor | None:
+            return None if t is None else t.to(where)
+
         for where in (home, device):  # the mask's own device first: other devices copy its hole positions
             if str(where) not in states:
                 states[str(where)] = ReadState(
-                    key_valid=None if key_valid is None else key_valid.to(where),
+                    key_valid=to(key_valid, where),
                     scaling=inputs.scaling,
                     draft_loops=self._draft_loops,
                     v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
                     v_precision_stats=self._v_precision_stats,
                     home=None if where == home else states[str(home)],
+                    positions=to(inputs.positions, where),
+                    static_valid=to(inputs.static_valid, where),
+                    static_mask=to(inputs.static_mask, where),
+                    length=inputs.length,
                 )
         return states[str(device)]
 
@@ -212,7 +252,7 @@ class LoopCache(Cache):
                 f"are on {key_states.device}; a cache stays on the devices its first forward placed it on (build a "
                 f"new cache for another placement)"
             )
-        source = layer.source if isinstance(layer, SharedLayer) else None
+        source = getattr(layer, "source", None)  # a shared cell, growable or static
         if source is not None and source.is_initialized and source.device != key_states.device:
             raise ValueError(
                 f"cell {self.layout.cell_at(flat)} shares the history of cell "
@@ -260,10 +300,10 @@ class LoopCache(Cache):
         return self.cells[0].get_mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
+        return self.max_cache_len if self.static else -1  # type: ignore[return-value]
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1
+        return self.max_cache_len if self.static else -1  # type: ignore[return-value]
 
     @property
     def batch_size(self) -> int:
@@ -274,7 +314,142 @@ class LoopCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return self.static
+
+    @property
+    def max_batch_size(self) -> int:  # type: ignore[override]
+        """Rows of a static cache's storage; a growable cache's current rows (-1 before its first write)."""
+        return self._static_rows if self.static else self.batch_size  # type: ignore[return-value]
+
+    @property
+    def max_cache_len(self) -> int:  # type: ignore[override]
+        """Positions of a static cache's storage; -1 for a growable cache (no maximum)."""
+        return self._static_len if self.static else -1  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------------------- static mode
+    def static_inputs(
+        self,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        *,
+        batch_size: int,
+        query_length: int,
+        device: torch.device,
+        scaling: float,
+    ) -> tuple[AttentionInputs, torch.Tensor]:
+        """A static cache's inputs of one forward, from device state only: the storage positions of the new tokens
+        (`positions`, from the device length, which this advances), key validity over the storage (the mask's new
+        columns written at `positions`; a mask covering cache and new tokens is copied whole, which is how holes of
+        a batched verification arrive), the read mask, and `position_ids` (the real tokens before each new one,
+        counted on the device). Nothing here reads a device value on the host, so the step can be captured.
+
+        `attention_mask` `[B, past + q]` or `[B, q]` (the new tokens' columns only), or None (every token real).
+        Returns the `AttentionInputs` and `position_ids` `[B, q]`."""
+        if batch_size > self.max_batch_size:  # type: ignore[operator]
+            raise ValueError(
+                f"the batch has {batch_size} rows but this static cache was built with "
+                f"`max_batch_size={self.max_batch_size}`"
+            )
+        if self._length_t is None or self._valid_t is None or self._length_t.device != torch.device(device):
+            self._length_t = torch.zeros((), dtype=torch.long, device=device)
+            self._valid_t = torch.zeros(self.max_batch_size, self.max_cache_len, dtype=torch.bool, device=device)  # type: ignore[arg-type]
+            self._length_t.fill_(self.get_seq_length())
+        length, q = self.get_seq_length(), query_length
+        if length + q > self.max_cache_len:  # type: ignore[operator]
+            raise ValueError(
+                f"this static cache holds at most `max_cache_len={self.max_cache_len}` positions; the forward adds {q} "
+                f"to {length} (build it with a larger `max_cache_len`)"
+            )
+        positions = self._length_t + torch.arange(q, device=device)
+        self._length_t.add_(q)
+        valid = self._valid_t[:batch_size]
+        if attention_mask is None:
+            valid.index_fill_(1, positions, True)
+        else:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ValueError(
+                    f"a static cache takes a 2-D padding `attention_mask` [batch, past + new], got "
+                    f"{type(attention_mask).__name__}"
+                )
+            width = attention_mask.shape[-1]
+            if attention_mask.dim() != 2 or width not in (q, length + q):
+                raise ValueError(
+                    f"`attention_mask` for a static cache must be [batch, past + new] ({length + q} columns) or "
+                    f"[batch, new] ({q}), got shape {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.to(device=device, dtype=torch.bool)
+            if width == length + q and width != q:
+                valid[:, :width].copy_(mask)
+            else:
+                valid.index_copy_(1, positions, mask)
+        if position_ids is None:
+            position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0).index_select(1, positions)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(batch_size, -1)
+        key_valid: torch.Tensor | None = valid
+        if q > 1 and not torch.compiler.is_compiling() and (attention_mask is None or bool(valid[:, : length + q].all())):
+            key_valid = None  # a prefill or block of real tokens only: the unmasked fast path (q > 1 is never captured)
+        inputs = AttentionInputs(
+            key_valid=key_valid,
+            scaling=scaling,
+            positions=positions,
+            static_valid=valid,
+            static_mask=static_mask(positions, valid) if length > 0 else None,
+            length=length,
+        )
+        return inputs, position_ids
+
+    def captured_steps(self) -> list[dict[str, Any]]:
+        """The decode steps `generate` captured for this static cache: batch size and capture seconds (its eager
+        warm-up step plus the capture), one entry per graph."""
+        return [
+            {"batch": key[0], "capture_s": round(entry.capture_s, 3)}
+            for key, entry in self._graphs.items()
+            if entry is not None  # None: the step could not be captured and decodes eagerly
+        ]
+
+    def _advance_host(self, query_length: int) -> None:
+        """After a replayed decode step: the host lengths of the cells it wrote (every cell) advance."""
+        for layer in self.cells:
+            layer.advance(query_length)  # type: ignore[attr-defined]  # static layers only
+
+    def _host_lengths(self) -> list[int]:
+        return [layer.length for layer in self.cells]
+
+    def _restore_host_lengths(self, lengths: list[int]) -> None:
+        for layer, length in zip(self.cells, lengths):
+            layer.length = length
+
+    def _sync_device_length(self) -> None:
+        if self._length_t is not None:
+            self._length_t.fill_(self.get_seq_length())
+
+    def _select_static_rows(self, index: torch.Tensor) -> None:
+        if self._valid_t is not None:
+            rows = int(index.shape[0])
+            index = index.to(self._valid_t.device)
+            selected = self._valid_t[: self.batch_size].index_select(0, index)
+            self._valid_t[:rows].copy_(selected)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.static:
+            self._select_static_rows(beam_idx)
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.static and self.batch_size > 0:
+            self._select_static_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.static:
+            self._select_static_rows(indices.nonzero().flatten() if indices.dtype == torch.bool else indices)
+        super().batch_select_indices(indices)
+
+    def reset(self) -> None:
+        """Empty every cell (a static cache keeps its storage, and with it the captured decode steps)."""
+        super().reset()
+        self._sync_device_length()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` positions (transformers >= 5.16: `tokens_to_remove <= 0`); a positive
@@ -294,6 +469,12 @@ class LoopCache(Cache):
         shared_first = sorted(self.cells, key=lambda layer: not isinstance(layer, SharedLayer))
         for layer in shared_first:
             layer.truncate(min(layer.get_seq_length(), length))
+        rings = [layer for layer in self.cells if isinstance(layer, StaticSharedLayer)]
+        if rings:  # one reserve start for every ring, so a forward computes the shared cells' masks once
+            own_start = min(max(layer.own_start for layer in rings), min(layer.length for layer in rings))
+            for layer in rings:
+                layer.set_own_start(own_start)
+        self._sync_device_length()
 
     def loop_lengths(self) -> list[int]:
         """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a
@@ -312,12 +493,22 @@ class LoopCache(Cache):
         for layer in self.cells:
             if hasattr(layer, "rollback"):
                 layer.rollback = max_rollback
+            if isinstance(layer, StaticSharedLayer):
+                capacity = ring_capacity(layer.window, layer.page, max_rollback)
+                if capacity != layer.capacity:
+                    layer.resize(capacity)
+                    self._graphs.clear()  # the captured steps read the old rings
 
     def reserve(self, max_length: int) -> None:
         """Allocate every empty cell's storage for `max_length` positions at its first write (full-precision buffers,
         code pages, windows), so that decoding never regrows them (regrowing every cell in turn fragments the
         allocator at long contexts and holds two copies of a cell while it copies). `generate` calls this with its
-        maximum length."""
+        maximum length. A static cache checks that `max_length` fits its `max_cache_len`."""
+        if self.static and int(max_length) > self.max_cache_len:  # type: ignore[operator]
+            raise ValueError(
+                f"generation may reach {int(max_length)} positions, but this static cache holds at most "
+                f"`max_cache_len={self.max_cache_len}`; build it with `max_cache_len >= {int(max_length)}`"
+            )
         for layer in self.cells:
             layer.reserve(int(max_length))
 
@@ -354,3 +545,24 @@ class LoopCache(Cache):
 
 
 register_loop_cache_pytree(LoopCache)
+
+
+def _check_static(plan: CachePlan, static: Any, max_batch_size: Any, max_cache_len: Any) -> None:
+    if not isinstance(static, bool):
+        raise ValueError(f"`static` must be True or False, got {static!r}")
+    if not static:
+        if max_batch_size is not None or max_cache_len is not None:
+            raise ValueError("`max_batch_size` and `max_cache_len` size a static cache; pass them with `static=True`")
+        return
+    for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int with `static=True`, got {value!r}")
+    options = sorted({plan.option(cell) for cell in plan.layout.cells()} - {"bf16", "share"})
+    if options:
+        raise ValueError(
+            f"`static=True` supports plans whose cells are 'bf16' or 'share' (FullLoopCache, RIPECache, "
+            f"DeepestPlaneCache); this plan also has {', '.join(repr(o) for o in options)} cells ({plan.summary()}); "
+            f"build it with `static=False`"
+        )
+    if plan.sink and "share" in plan.options.values():
+        raise ValueError(f"`static=True` supports shared cells without a sink; this plan has `sink={plan.sink}`")

@@ -12,6 +12,10 @@ benchmarks, examples).
 | a local plan folder  | `LoopKVCache` with the folder's `loopcache_plan.json` (or that file)  | tau, max_rollback                 |
 | a Hub id `owner/name`| `LoopKVCache` with the repository's `loopcache_plan.json`            | tau, max_rollback, plan_revision  |
 
+`build_cache` also takes `static`, `max_batch_size` and `max_cache_len` for every spec: `static=True` builds the cache with preallocated
+storage and device-side lengths, so a decode step can be captured (`LoopCache`; full, ripe
+and deepest for now: LoopKV's coded cells are refused).
+
 Options are separate keywords, so lm-eval reads `cache=ripe,window=64` and the CLI `--cache ripe --window 64`. An
 option the spec does not take is refused (ValueError naming the allowed ones), never ignored.
 """
@@ -78,13 +82,24 @@ def cache_options(spec: str) -> tuple[str, ...]:
     return _OPTIONS[_kind(spec)[0]]
 
 
-def build_cache(model: Any, spec: str, **options: Any) -> LoopCache:
+def build_cache(
+    model: Any,
+    spec: str,
+    *,
+    static: bool = False,
+    max_batch_size: int | None = None,
+    max_cache_len: int | None = None,
+    **options: Any,
+) -> LoopCache:
     """Build a fresh cache for `model` from a spec string and keyword options (table in the module docstring).
 
     Args:
         model: a native looped model (`OuroForCausalLM`, `HuginnForCausalLM`), its config, or a `LoopLayout`.
         spec (`str`): `full`, `ripe`, `deepest`, `loopkv:<preset>`, a local plan folder, or a Hub id, resolved in this
             order.
+        static (`bool`, *optional*, defaults to False), max_batch_size (`int`), max_cache_len (`int`): build a static
+            cache (preallocated storage, device-side lengths: a decode step `generate` captures; see `LoopCache`).
+            Every spec takes them; plans with coded cells are refused for now. They are not among `CACHE_OPTIONS`.
         **options: `window`, `sink`, `tau`, `page_size`, `group_size`, `num_loops`, `max_rollback`, `plan_revision`,
             as the spec takes them (`window` defaults to 64 for `ripe` and to 256 for LoopKV presets; `tau` to 14.0,
             None turns V precision off).
@@ -117,12 +132,13 @@ def build_cache(model: Any, spec: str, **options: Any) -> LoopCache:
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
         raise ValueError(f"`tau` must be a number of bits or None (V precision off), got {tau!r}")
     tau = None if tau is None else float(tau)
+    static_options = dict(static=static, max_batch_size=max_batch_size, max_cache_len=max_cache_len)
     if kind == "full":
-        return FullLoopCache(model, **options)
+        return FullLoopCache(model, **options, **static_options)
     if kind == "ripe":
-        return RIPECache(model, **options)
+        return RIPECache(model, **options, **static_options)
     if kind == "deepest":
-        return DeepestPlaneCache(model, **options)
+        return DeepestPlaneCache(model, **options, **static_options)
     max_rollback = options.pop("max_rollback", 0)
     if kind == "loopkv":
         assert preset is not None
@@ -132,4 +148,4 @@ def build_cache(model: Any, spec: str, **options: Any) -> LoopCache:
         plan = CachePlan.from_pretrained(spec)
     else:
         plan = CachePlan.from_pretrained(spec, revision=options.pop("plan_revision", None))
-    return LoopKVCache(model, plan, tau=tau, max_rollback=max_rollback)
+    return LoopKVCache(model, plan, tau=tau, max_rollback=max_rollback, **static_options)

@@ -18,10 +18,33 @@ class FullLoopCache(LoopCache):
     Args:
         model_or_layout: a native looped model, its config, or a `LoopLayout`.
         num_loops (`int`, *optional*): most loops a forward may run; defaults to the model's.
+        static, max_batch_size, max_cache_len: a static cache (preallocated storage, device-side lengths, a decode
+            step `generate` captures in a CUDA graph); see `LoopCache`.
+
+    Example (static; `generate` on CUDA replays a captured decode step per batch size):
+
+    ```python
+    >>> cache = FullLoopCache(model, static=True, max_batch_size=8, max_cache_len=8192)
+    >>> out = model.generate(**inputs, cache=cache, max_new_tokens=128)
+    ```
     """
 
-    def __init__(self, model_or_layout: Any, *, num_loops: int | None = None) -> None:
-        super().__init__(model_or_layout, CachePlan.full(resolve_layout(model_or_layout, num_loops)))
+    def __init__(
+        self,
+        model_or_layout: Any,
+        *,
+        num_loops: int | None = None,
+        static: bool = False,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
+    ) -> None:
+        super().__init__(
+            model_or_layout,
+            CachePlan.full(resolve_layout(model_or_layout, num_loops)),
+            static=static,
+            max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+        )
 
 
 class RIPECache(LoopCache):
@@ -39,6 +62,8 @@ class RIPECache(LoopCache):
         num_loops (`int`, *optional*): loop count (the final loop is the deepest plane); defaults to the model's.
         max_rollback (`int`, *optional*, defaults to 0): extra positions kept at full depth so `crop` by up to this
             many stays exact (self-speculative verification uses the block size).
+        static, max_batch_size, max_cache_len: a static cache (preallocated storage, device-side lengths, a decode
+            step `generate` captures in a CUDA graph); see `LoopCache`.
     """
 
     def __init__(
@@ -49,9 +74,19 @@ class RIPECache(LoopCache):
         sink: int = 0,
         num_loops: int | None = None,
         max_rollback: int = 0,
+        static: bool = False,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
     ) -> None:
         plan = CachePlan.ripe(resolve_layout(model_or_layout, num_loops), window=window, sink=sink)
-        super().__init__(model_or_layout, plan, max_rollback=max_rollback)
+        super().__init__(
+            model_or_layout,
+            plan,
+            max_rollback=max_rollback,
+            static=static,
+            max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+        )
 
     @property
     def window(self) -> int:
@@ -61,8 +96,25 @@ class RIPECache(LoopCache):
 class DeepestPlaneCache(RIPECache):
     """Only the deepest plane for every cached position (RIPE with `window=0`; Huginn's `compress-s4`)."""
 
-    def __init__(self, model_or_layout: Any, *, num_loops: int | None = None, max_rollback: int = 0) -> None:
-        super().__init__(model_or_layout, window=0, num_loops=num_loops, max_rollback=max_rollback)
+    def __init__(
+        self,
+        model_or_layout: Any,
+        *,
+        num_loops: int | None = None,
+        max_rollback: int = 0,
+        static: bool = False,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
+    ) -> None:
+        super().__init__(
+            model_or_layout,
+            window=0,
+            num_loops=num_loops,
+            max_rollback=max_rollback,
+            static=static,
+            max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+        )
 
 
 class LoopKVCache(LoopCache):
@@ -82,6 +134,8 @@ class LoopKVCache(LoopCache):
         tau (`float`, *optional*, defaults to 14.0): V-precision threshold in bits; None reads every low plane.
         max_rollback (`int`, *optional*, defaults to 0): see `LoopCache`.
         num_loops (`int`, *optional*): loop count for a preset plan; defaults to the model's.
+        static, max_batch_size, max_cache_len: a static cache (preallocated storage, device-side lengths, a decode
+            step `generate` captures in a CUDA graph); see `LoopCache`.
     """
 
     def __init__(
@@ -92,6 +146,9 @@ class LoopKVCache(LoopCache):
         tau: float | None = 14.0,
         max_rollback: int = 0,
         num_loops: int | None = None,
+        static: bool = False,
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
     ) -> None:
         if isinstance(plan, str) and plan in LOOPKV_PRESETS:
             plan = loopkv_preset(resolve_layout(model_or_layout, num_loops), plan)
@@ -107,4 +164,12 @@ class LoopKVCache(LoopCache):
                 f"`plan` must be a CachePlan, one of {LOOPKV_PRESETS}, or a plan folder; got {type(plan).__name__}"
             )
         v_precision = None if tau is None else VPrecision(tau=tau, page_size=plan.page_size)
-        super().__init__(model_or_layout, plan, max_rollback=max_rollback, v_precision=v_precision)
+        super().__init__(
+            model_or_layout,
+            plan,
+            max_rollback=max_rollback,
+            v_precision=v_precision,
+            static=static,
+            max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+        )

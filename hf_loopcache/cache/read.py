@@ -8,7 +8,7 @@ nothing else: not on the container, not on other cells (a shared cell reads its 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,9 @@ class ReadState:
         home (`ReadState`, *optional*): the same forward's state on the device the mask was built on, when this one
             is a copy for another device (a model split by `device_map`): `effective` is computed there once (one host
             sync per forward) and copied here.
+        positions, static_valid, static_mask, length: a static cache's device-side write positions `[q]`, key
+            validity `[B, max_cache_len]` and visibility `[B, 1, q, max_cache_len]`, and its host length before the
+            forward (see `AttentionInputs`); None for a growable cache.
 
     Attributes:
         effective (`torch.LongTensor` of shape `[B, length + q + 1]` or None): per row, the position each stored
@@ -93,6 +96,11 @@ class ReadState:
     v_precision_tau: float | None = None
     v_precision_stats: VPrecisionStats | None = None
     home: ReadState | None = None
+    positions: torch.Tensor | None = None
+    static_valid: torch.Tensor | None = None
+    static_mask: torch.Tensor | None = None
+    length: int | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-forward values cells share (masks)
 
     @cached_property
     def effective(self) -> torch.Tensor | None:

@@ -101,6 +101,18 @@ class LoopForward:
             cast("LoopAttentionCache", cache).begin_forward(layout, num_loops, query_length)
         elif cache is not None:
             _check_foreign_cache(cache, layout.with_loops(num_loops))
+        if getattr(cache, "static", False):  # device-side positions and masks: a step with fixed shapes and addresses
+            if output_attentions:
+                raise ValueError("`output_attentions=True` is not supported with a static cache; pass `static=False`")
+            inputs, position_ids = cache.static_inputs(
+                attention_mask,
+                position_ids,
+                batch_size=batch_size,
+                query_length=query_length,
+                device=device,
+                scaling=scaling,
+            )
+            return cls(cache, inputs, layout, None), position_ids
         past = cache.get_seq_length() if cache is not None else 0
 
         key_valid = None
@@ -353,6 +365,20 @@ class LoopGenerationMixin(GenerationMixin):
             else:
                 _CACHE_TOKENS.pop(cache, None)
         return out
+
+    def get_compiled_call(self, compile_config: Any) -> Any:
+        """The decode call `generate` uses when the cache is compileable (a static `LoopCache`) on CUDA: CUDA graphs
+        of the one-token step per batch size (`DecodeGraphs`), the eager forward for everything else. The decode step
+        is captured, not compiled with `torch.compile`, so `compile_config` is not used (it can still turn the path
+        off: `generate(..., disable_compile=True)` decodes eagerly)."""
+        from hf_loopcache.models._graphs import DecodeGraphs
+
+        return DecodeGraphs(self)
+
+    def create_masks_for_generate(self, *args: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+        """transformers turns the 2-D padding mask into 4-D masks for a compileable cache; these models take the 2-D
+        mask (a static `LoopCache` builds its own device-side read mask), so it is handed over as it is."""
+        return attention_mask
 
     def _prepare_cache_for_generation(
         self, generation_config: Any, model_kwargs: dict, generation_mode: Any, batch_size: int, max_cache_length: int

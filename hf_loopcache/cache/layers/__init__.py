@@ -3,6 +3,8 @@
 - `DenseLayer`: every position at full precision (option `bf16`).
 - `CodedLayer`: full-precision sink and window, own KIVI code pages in between (`int4`, `int2`).
 - `SharedLayer`: full-precision sink and window, the history read from a source cell's storage (`share`).
+- `StaticDenseLayer`, `StaticSharedLayer`: `bf16` and `share` cells of a static cache (preallocated storage, writes
+  and reads at device-side positions, so a decode step can be captured).
 
 `WindowedLayer` is what coded and shared cells share (sink, window, the reading rule); `LoopLayerBase` the contract.
 """
@@ -11,6 +13,15 @@ from hf_loopcache.cache.layers.base import LoopLayerBase
 from hf_loopcache.cache.layers.coded import CodedLayer
 from hf_loopcache.cache.layers.dense import DenseLayer
 from hf_loopcache.cache.layers.shared import SharedLayer
+from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer
 from hf_loopcache.cache.layers.windowed import WindowedLayer
 
-__all__ = ["CodedLayer", "DenseLayer", "LoopLayerBase", "SharedLayer", "WindowedLayer"]
+__all__ = [
+    "CodedLayer",
+    "DenseLayer",
+    "LoopLayerBase",
+    "SharedLayer",
+    "StaticDenseLayer",
+    "StaticSharedLayer",
+    "WindowedLayer",
+]

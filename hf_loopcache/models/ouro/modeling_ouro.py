@@ -375,7 +375,7 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         elif pdf is not None and exit_threshold is not None:
             reached = torch.cumsum(pdf, dim=2) >= exit_threshold
             steps = torch.argmax(reached.float(), dim=2)
-            steps[~reached.any(dim=2)] = pdf.shape[2] - 1
+            steps = torch.where(reached.any(dim=2), steps, pdf.shape[2] - 1)  # no boolean indexing: no host sync
             stacked = torch.stack(loop_hidden, dim=2)
             index = steps[..., None, None].expand(-1, -1, 1, stacked.shape[-1]).to(stacked.device)
             logits = self.lm_head(torch.gather(stacked, 2, index).squeeze(2))

@@ -1,0 +1,387 @@
+"""Static `LoopCache`: preallocated storage and device-side lengths, so a decode step can be compiled and captured.
+
+Static greedy tokens equal the growable cache's (fp32, both architectures, batch 1 and a left-padded batch); the decode
+forward compiles with `fullgraph=True` (no graph break: no host read of a device value); crop, reset, row selection
+and self-speculative decoding work inside the static storage; on CUDA, `generate` replays a captured step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import hf_loopcache
+from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, build_cache
+from tests.helpers import call_kwargs, make_model
+
+ARCHS = ["ouro", "huginn"]
+#: each cache's constructor, growable with no options and static with them; RIPE's window is short enough that the
+#: tests read the deepest plane, the ring and the window boundary
+CACHES = {
+    "full": lambda model, **kw: FullLoopCache(model, **kw),
+    "ripe3": lambda model, **kw: RIPECache(model, window=3, **kw),
+    "deepest": lambda model, **kw: DeepestPlaneCache(model, **kw),
+}
+
+
+def _prompt(batch: int, padded: bool, length: int = 9, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, :4] = 0
+        ids[-1, :4] = 0
+    return ids, mask
+
+
+def _generate(model, arch, ids, mask, cache, new=8, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        pad_token_id=0, **call_kwargs(arch), **kwargs,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch,padded", [pytest.param(1, False, id="B1"), pytest.param(3, True, id="B3-leftpad")])
+def test_static_greedy_equals_dynamic(arch, batch, padded, name):
+    model = make_model(arch).float()
+    ids, mask = _prompt(batch, padded)
+    expected = _generate(model, arch, ids, mask, CACHES[name](model))
+    cache = CACHES[name](model, static=True, max_batch_size=4, max_cache_len=24)
+    assert cache.is_compileable
+    got = _generate(model, arch, ids, mask, cache)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == ids.shape[1] + 7
+    assert int(cache._length_t) == cache.get_seq_length()
+
+
+def test_build_cache_static_option_and_storage():
+    model = make_model("ouro").float()
+    cache = build_cache(model, "full", static=True, max_batch_size=2, max_cache_len=16)
+    assert cache.static and cache.get_max_cache_shape() == 16
+    ids, mask = _prompt(2, True)
+    _generate(model, "ouro", ids, mask, cache, new=3)
+    layout = model.loop_layout
+    k = cache.cells[0].k
+    assert k.shape == (2, layout.num_kv_heads, 16, layout.head_dim)
+    ptr = k.data_ptr()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and int(cache._length_t) == 0
+    again = _generate(model, "ouro", ids, mask, cache, new=3)  # a reset static cache keeps its storage
+    assert cache.cells[0].k.data_ptr() == ptr
+    assert torch.equal(again, _generate(model, "ouro", ids, mask, FullLoopCache(model), new=3))
+
+
+@pytest.mark.parametrize(
+    "arch,name,backend",
+    [
+        ("ouro", "full", "eager"),
+        ("huginn", "full", "eager"),
+        ("ouro", "ripe3", "aot_eager"),
+        ("huginn", "deepest", "eager"),
+    ],
+)
+def test_static_decode_step_compiles_fullgraph(arch, name, backend):
+    """One decode forward under `torch.compile(fullgraph=True)`: any `.item()`, host branch on a device value or
+    data-dependent shape would be a graph break (an error here); the logits equal the growable cache's."""
+    torch._dynamo.reset()
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    static = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=16)
+    ref = CACHES[name](model)
+    kwargs = call_kwargs(arch)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=static, **kwargs)
+        model(input_ids=ids, attention_mask=mask, cache=ref, **kwargs)
+        step = torch.compile(model.forward, fullgraph=True, backend=backend)
+        token = torch.tensor([[5], [7]])
+        grown = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = step(input_ids=token, attention_mask=grown[:, -1:], cache=static, **kwargs)
+        expected = model(input_ids=token, attention_mask=grown, cache=ref, **kwargs)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    assert int(static._length_t) == ids.shape[1] + 1
+
+
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_crop_then_continue(arch, name):
+    """Crop inside the static storage (within the rollback reserve), then decode on: the same tokens as a growable
+    cache cropped the same way."""
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    outs = []
+    make = CACHES[name] if name == "full" else (lambda model, **kw: CACHES[name](model, max_rollback=3, **kw))
+    for cache in (make(model), make(model, static=True, max_batch_size=2, max_cache_len=32)):
+        first = _generate(model, arch, ids, mask, cache, new=6)
+        cache.crop(-3)
+        assert cache.get_seq_length() == ids.shape[1] + 5 - 3
+        keep = first[:, : cache.get_seq_length() + 1]
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        outs.append(_generate(model, arch, keep, grown, cache, new=5))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("arch,name", [("ouro", "full"), ("ouro", "ripe3"), ("huginn", "ripe3")])
+def test_static_self_speculative_lossless(arch, name):
+    """Draft with fewer loops, roll back, verify a block, leave holes: inside the static storage, token-identical to
+    greedy decoding (RIPE with `W >= gamma`: Proposition 1)."""
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    expected = _generate(model, arch, ids, mask, CACHES[name](model), new=10)
+    cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=40)
+    got = _generate(
+        model, arch, ids, mask, cache, new=10, custom_generate=hf_loopcache.self_speculative, draft_loops=1,
+        block_size=3,
+    )
+    assert torch.equal(got, expected)
+
+
+def test_static_beam_search_rows_in_place():
+    model = make_model("ouro").float()
+    ids, mask = _prompt(1, False)
+    kw = dict(num_beams=3, max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=mask)
+    expected = model.generate(ids, cache=FullLoopCache(model), **kw)
+    cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=16)
+    assert torch.equal(model.generate(ids, cache=cache, **kw), expected)
+
+
+def test_static_errors():
+    model = make_model("ouro").float()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        FullLoopCache(model, static=True, max_batch_size=2)
+    with pytest.raises(ValueError, match="with `static=True`"):
+        FullLoopCache(model, max_cache_len=16)
+    with pytest.raises(ValueError, match="without a sink"):
+        RIPECache(model, window=4, sink=2, static=True, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="'int4'"):
+        build_cache(model, "loopkv:kivi4", group_size=8, static=True, max_batch_size=1, max_cache_len=16)
+    ids, mask = _prompt(3, False)
+    with pytest.raises(ValueError, match="max_batch_size=2"):
+        _generate(model, "ouro", ids, mask, FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=32))
+    ids, mask = _prompt(1, False)
+    with pytest.raises(ValueError, match="max_cache_len >= 16"):
+        _generate(model, "ouro", ids, mask, FullLoopCache(model, static=True, max_batch_size=1, max_cache_len=12))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_decode_equals_eager_cuda(arch, name):
+    """On CUDA, `generate` replays a captured one-token step (per batch size) with the same greedy tokens as eager
+    decoding of the static cache and of the growable cache (fp32)."""
+    model = make_model(arch).float().cuda()
+    ids, mask = (t.cuda() for t in _prompt(3, True))
+    expected = _generate(model, arch, ids, mask, CACHES[name](model), new=12)
+    cache = CACHES[name](model, static=True, max_batch_size=4, max_cache_len=32)
+    eager = _generate(model, arch, ids, mask, cache, new=12, disable_compile=True)
+    assert not cache.captured_steps()
+    cache.reset()
+    captured = _generate(model, arch, ids, mask, cache, new=12)
+    assert [step["batch"] for step in cache.captured_steps()] == [3]
+    cache.reset()
+    again = _generate(model, arch, ids, mask, cache, new=12)  # replays the graph captured above
+    assert len(cache.captured_steps()) == 1
+    assert torch.equal(eager, expected) and torch.equal(captured, expected) and torch.equal(again, expected)
+
+
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_static_read_methods_agree(monkeypatch, name):
+    """Static reads as `scaled_dot_product_attention` with an additive mask (a shared cell over its source and ring
+    concatenated) and as `masked_attention` over the segments in place give the growable cache's tokens."""
+    from hf_loopcache.cache.layers.static import StaticDenseLayer
+
+    model = make_model("ouro").float()
+    ids, mask = _prompt(3, True)
+    expected = _generate(model, "ouro", ids, mask, CACHES[name](model))
+    for method in ("sdpa", "matmul"):
+        monkeypatch.setattr(StaticDenseLayer, "read_method", method)
+        cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=24)
+        assert torch.equal(_generate(model, "ouro", ids, mask, cache), expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_ripe_ring_grows_with_the_rollback_reserve(arch):
+    """`set_max_rollback` on a static RIPE cache that holds positions resizes every ring and keeps what it holds:
+    decoding on, and cropping within the new reserve, match a growable RIPE cache given the same reserve."""
+    from hf_loopcache.cache.layers.static import StaticSharedLayer, ring_capacity
+
+    model = make_model(arch).float()
+    ids, mask = _prompt(2, True)
+    outs = []
+    for cache in (RIPECache(model, window=3), RIPECache(model, window=3, static=True, max_batch_size=2, max_cache_len=40)):
+        first = _generate(model, arch, ids, mask, cache, new=5)
+        cache.set_max_rollback(4)
+        keep = first
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        second = _generate(model, arch, keep, grown, cache, new=6)
+        cache.crop(-4)
+        keep = second[:, : cache.get_seq_length() + 1]
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        outs.append(_generate(model, arch, keep, grown, cache, new=4))
+    rings = [layer for layer in cache.cells if isinstance(layer, StaticSharedLayer)]
+    assert rings and all(layer.capacity == ring_capacity(3, 1, 4) for layer in rings)
+    assert torch.equal(outs[0], outs[1])
+
+
+@functools.cache
+def _fixture(name: str):
+    model, tok = hf_loopcache.load_fixture(name)
+    return model.float(), tok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("fixture", ["tiny-ouro", "tiny-huginn"])
+def test_static_greedy_equals_dynamic_on_the_fixtures(fixture, name):
+    """The shipped (trained) fixtures, fp32, real text: a batch of one and a left-padded batch of three, 12 new
+    tokens; RIPE's window (3) is short enough that the history is read from the deepest plane."""
+    model, tok = _fixture(fixture)
+    # Huginn at 4 recurrent steps (a call-time loop count; the caches are built for it) to keep the test short
+    kwargs, loops = ({"init_scale": 0.0, "num_steps": 4}, {"num_loops": 4}) if fixture == "tiny-huginn" else ({}, {})
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for texts in (["The cat sat on the"], ["The cat sat on the", "Once upon a time there was a", "In the"]):
+        enc = tok(texts, return_tensors="pt", padding=True)
+        gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=pad, **kwargs)
+        expected = model.generate(**enc, cache=CACHES[name](model, **loops), **gen)
+        length = enc["input_ids"].shape[1] + 12
+        cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=length, **loops)
+        assert torch.equal(model.generate(**enc, cache=cache, **gen), expected)
+
+
+class _ReplayedStep:
+    """A stand-in for a CUDA graph on the CPU: a replay reruns the recorded step with the host state (every cell's
+    host length) frozen at its recording, as a real graph replays kernels whose host-side arguments were fixed then;
+    only device state (tensors) moves on. A step that read a host length would go wrong here as on the GPU."""
+
+    def __init__(self, fn, out, cache):
+        self.fn, self.out, self.cache = fn, out, cache
+        self.lengths = cache._host_lengths()
+        self.replays = 0
+
+    def replay(self):
+        now = self.cache._host_lengths()
+        self.cache._restore_host_lengths(self.lengths)
+        with torch.no_grad():
+            self.out.copy_(self.fn())
+        self.cache._restore_host_lengths(now)
+        self.replays += 1
+
+
+def _device_state(cache):
+    tensors = [cache._length_t, cache._valid_t]
+    for layer in cache.cells:
+        tensors += [getattr(layer, name) for name in ("k", "v", "own_start_t") if getattr(layer, name, None) is not None]
+    return tensors
+
+
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_graphs_runner_with_a_replay_stand_in(monkeypatch, arch, name):
+    """`generate`'s compiled call (`DecodeGraphs`) on the CPU with recording and replay stood in for: one recording
+    per batch size, replays for every later step, a reset cache reuses its recordings, and the tokens equal eager
+    decoding; the recording itself leaves the cache as it was."""
+    from transformers import CompileConfig
+
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    def record(self, fn, cache):
+        before = [t.clone() for t in _device_state(cache)]
+        with torch.no_grad():
+            out = fn()
+        for t, saved in zip(_device_state(cache), before):  # recording runs nothing on a real device
+            t.copy_(saved)
+        return _ReplayedStep(fn, out, cache), out
+
+    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    model = make_model(arch).float()
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers' switch to take the compiled call off CUDA
+    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=32)
+    for batch, padded in ((3, True), (1, False), (3, True)):
+        ids, mask = _prompt(batch, padded, seed=batch)
+        expected = _generate(model, arch, ids, mask, CACHES[name](model), new=9)
+        cache.reset()
+        got = _generate(model, arch, ids, mask, cache, new=9, compile_config=config)
+        assert torch.equal(got, expected)
+    assert sorted(step["batch"] for step in cache.captured_steps()) == [1, 3]
+    replays = sorted(entry.graph.replays for entry in cache._graphs.values())
+    assert replays == [7, 15]  # 9 tokens: prefill + 8 steps (the first recorded, 7 replays); B3 again: 8 replays
+
+
+def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
+    """A row whose window holds holes spans more storage positions than the ring: its real positions the ring no
+    longer holds are read from the source (the deepest plane), the rest from the ring; checked against attention
+    written out over exactly those keys."""
+    from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
+    from hf_loopcache.cache.read import ReadState
+
+    torch.manual_seed(0)
+    heads, dim, t = 2, 4, 20
+    source = StaticDenseLayer(1, 32)
+    cell = StaticSharedLayer(source, window=3, page_size=1, capacity=ring_capacity(3, 1, 0), max_batch_size=1)
+    src_k, src_v, own_k, own_v = (torch.randn(1, heads, t + 1, dim, dtype=torch.float64) for _ in range(4))
+    source.attend(own_k[:, :, :t], src_k[:, :, :t], src_v[:, :, :t], ReadState(key_valid=None, scaling=1.0))
+    cell.attend(own_k[:, :, :t], own_k[:, :, :t], own_v[:, :, :t], ReadState(key_valid=None, scaling=1.0))
+    valid = torch.ones(1, 32, dtype=torch.bool)
+    valid[0, [12, 13, 15, 16, 18, 19]] = False  # holes: the window's real positions 11, 14, 17 span 10 positions
+    query = torch.randn(1, heads, 1, dim, dtype=torch.float64)
+    positions = torch.tensor([t])
+    read = ReadState(key_valid=valid, scaling=0.5, positions=positions, static_valid=valid,
+                     static_mask=static_mask(positions, valid), length=t)
+    out = cell.attend(query, own_k[:, :, t:], own_v[:, :, t:], read)
+    # H = 11 in effective positions: storage 0..10 from the source; the ring (5 positions) holds 16..20, so the
+    # window's real 11 and 14 come from the source too, 17 and 20 from the ring
+    keys = torch.cat([src_k[:, :, :16], own_k[:, :, 16:]], dim=2)
+    values = torch.cat([src_v[:, :, :16], own_v[:, :, 16:]], dim=2)
+    seen = valid[0, : t + 1].clone()
+    seen[t] = True
+    weights = torch.softmax((query @ keys.transpose(-1, -2) * 0.5).masked_fill(~seen, float("-inf")), dim=-1)
+    torch.testing.assert_close(out, weights @ values)
+
+
+def test_decode_graphs_fall_back_to_eager_when_capture_fails(monkeypatch):
+    """A step that cannot be captured (an op CUDA graphs refuse) decodes eagerly, with the same tokens, and is not
+    tried again for that batch size."""
+    from transformers import CompileConfig
+
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    tries = []
+
+    def refuse(self, fn, cache):
+        tries.append(1)  # a failed recording has run nothing on the device
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
+    monkeypatch.setattr(DecodeGraphs, "_record", refuse)
+    model = make_model("ouro").float()
+    config = CompileConfig()
+    config._compile_all_devices = True
+    ids, mask = _prompt(2, True)
+    cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=24)
+    got = _generate(model, "ouro", ids, mask, cache, new=6, compile_config=config)
+    assert torch.equal(got, _generate(model, "ouro", ids, mask, FullLoopCache(model), new=6))
+    assert tries == [1] and cache.captured_steps() == []
+
+
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_static_cache_builds_where_transformers_has_read_only_max_properties(monkeypatch, name):
+    """transformers 5.17's `Cache` has read-only `max_batch_size` / `max_cache_len` properties (gone in 5.24): a static
+    cache and its layers must not assign attributes of those names (seen on the GPU machine)."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    for cls in (Cache, CacheLayerMixin):
+        for attr in ("max_batch_size", "max_cache_len"):
+            monkeypatch.setattr(cls, attr, property(lambda self: None), raising=False)
+    model = make_model("ouro").float()
+    ids, mask = _prompt(2, True)
+    cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=24)
+    assert (cache.max_batch_size, cache.max_cache_len) == (2, 24)
+    assert torch.equal(_generate(model, "ouro", ids, mask, cache), _generate(model, "ouro", ids, mask, CACHES[name](model)))
