@@ -13,9 +13,9 @@ from hf_loopcache.compare import (
     compare_runs,
     exact_mcnemar_p,
     forest_plot,
-    short_label,
     load_run,
     paired_bootstrap,
+    short_label,
     stratified_bootstrap,
     to_markdown,
 )
