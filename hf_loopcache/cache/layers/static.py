@@ -70,7 +70,61 @@ def static_mask(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return ((causal[None] & valid[:, None, :]) | own[None])[:, None]
 
 
-class StaticDenseLayer(LoopLayerBase):
+class _StaticStorage(LoopLayerBase):
+    """What both static cells share: preallocated `k` / `v` for `max_rows` rows, rows changed in place, and the cache
+    length transformers' mask helpers see (the static storage's, not the live length)."""
+
+    max_rows: int
+    rows: int
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+
+    def _max_positions(self) -> int:
+        raise NotImplementedError
+
+    def _live_positions(self) -> int:
+        """Positions whose keys and values this cell's own storage holds."""
+        raise NotImplementedError
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        return self._max_positions(), 0
+
+    def get_max_length(self) -> int:
+        return self._max_positions()
+
+    def get_max_cache_shape(self) -> int:
+        return self._max_positions()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep rows `index` in place (the storage keeps its addresses); at most `max_batch_size` rows."""
+        rows = int(index.shape[0])
+        if rows > self.max_rows:
+            raise ValueError(
+                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_rows}`"
+            )
+        if self.k is not None and self.v is not None:
+            index = index.to(self.k.device)
+            k, v = self.k[: self.rows].index_select(0, index), self.v[: self.rows].index_select(0, index)
+            self.k[:rows].copy_(k)
+            self.v[:rows].copy_(v)
+        self.rows = rows
+
+    def _map_batch(self, fn):
+        raise NotImplementedError("a static cell changes rows with `select_batch` only (in place)")
+
+    def allocated_bytes(self) -> int:
+        if self.k is None or self.v is None:
+            return 0
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def stored_bytes(self) -> int:
+        if self.k is None:
+            return 0
+        per_position = self.k[: self.rows, :, :1].numel() * self.k.element_size() * 2
+        return per_position * self._live_positions()
+
+
+class StaticDenseLayer(_StaticStorage):
     """Every position at full precision, in `[max_batch_size, H, max_cache_len, D]` buffers allocated at the first
     write (zeros, so masked positions hold finite values) and never reallocated. Writes go to the forward's storage
     positions (`ReadState.positions`, a device tensor) with `index_copy_`; a read attends over the whole buffer with
@@ -222,42 +276,12 @@ class StaticDenseLayer(LoopLayerBase):
         """Empty the cell and keep its storage (the addresses a captured decode step uses)."""
         self.length = 0
 
-    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        return self.max_positions, 0
-
-    def get_max_length(self) -> int:
+    def _max_positions(self) -> int:
         return self.max_positions
 
-    def get_max_cache_shape(self) -> int:
-        return self.max_positions
+    def _live_positions(self) -> int:
+        return self.length
 
-    def select_batch(self, index: torch.Tensor) -> None:
-        """Keep rows `index` in place (the storage keeps its addresses); at most `max_batch_size` rows."""
-        rows = int(index.shape[0])
-        if rows > self.max_rows:
-            raise ValueError(
-                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_rows}`"
-            )
-        if self.k is not None and self.v is not None:
-            index = index.to(self.k.device)
-            k, v = self.k[: self.rows].index_select(0, index), self.v[: self.rows].index_select(0, index)
-            self.k[:rows].copy_(k)
-            self.v[:rows].copy_(v)
-        self.rows = rows
-
-    def _map_batch(self, fn):
-        raise NotImplementedError("a static cell changes rows with `select_batch` only (in place)")
-
-    def allocated_bytes(self) -> int:
-        if self.k is None or self.v is None:
-            return 0
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-    def stored_bytes(self) -> int:
-        if self.k is None:
-            return 0
-        per_position = self.k[: self.rows, :, :1].numel() * self.k.element_size() * 2
-        return per_position * self.length
 
 
 def effective_storage(valid: torch.Tensor) -> torch.Tensor:
@@ -268,7 +292,7 @@ def effective_storage(valid: torch.Tensor) -> torch.Tensor:
     return torch.arange(valid.shape[1], device=valid.device)[None] - (holes.cumsum(1) - holes)
 
 
-class StaticSharedLayer(LoopLayerBase):
+class StaticSharedLayer(_StaticStorage):
     """A shared cell (option `share`) of a static cache: its history is read from a `StaticDenseLayer` source in place,
     its own recent positions live in a ring of `capacity` positions (position `p` in slot `p % capacity`), so the
     storage never moves. The reading rule is `WindowedLayer`'s: the query at `t` reads `[0, H(t))` from the source
@@ -489,38 +513,8 @@ class StaticSharedLayer(LoopLayerBase):
         if self.own_start_t is not None:
             self.own_start_t.zero_()
 
-    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        return self.source.max_positions, 0
-
-    def get_max_length(self) -> int:
+    def _max_positions(self) -> int:
         return self.source.max_positions
 
-    def get_max_cache_shape(self) -> int:
-        return self.source.max_positions
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        rows = int(index.shape[0])
-        if rows > self.max_rows:
-            raise ValueError(
-                f"selecting {rows} rows, but this static cache was built with `max_batch_size={self.max_rows}`"
-            )
-        if self.k is not None and self.v is not None:
-            index = index.to(self.k.device)
-            k, v = self.k[: self.rows].index_select(0, index), self.v[: self.rows].index_select(0, index)
-            self.k[:rows].copy_(k)
-            self.v[:rows].copy_(v)
-        self.rows = rows
-
-    def _map_batch(self, fn):
-        raise NotImplementedError("a static cell changes rows with `select_batch` only (in place)")
-
-    def allocated_bytes(self) -> int:
-        if self.k is None or self.v is None:
-            return 0
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-    def stored_bytes(self) -> int:
-        if self.k is None:
-            return 0
-        per_position = self.k[: self.rows, :, :1].numel() * self.k.element_size() * 2
-        return per_position * min(self.length, self.capacity)
+    def _live_positions(self) -> int:
+        return min(self.length, self.capacity)
