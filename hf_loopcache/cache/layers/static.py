@@ -86,6 +86,31 @@ class _StaticStorage(LoopLayerBase):
         """Positions whose keys and values this cell's own storage holds."""
         raise NotImplementedError
 
+    def _storage_positions(self) -> int:
+        """Positions this cell's own `k` / `v` are allocated for."""
+        raise NotImplementedError
+
+    def _storage_allocated(self, device: torch.device) -> None:
+        """Called after `k` / `v` were (re)allocated on `device`."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows = key_states.shape[0]
+        if rows > self.max_rows:
+            raise ValueError(
+                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_rows}`"
+            )
+        super().lazy_initialization(key_states, value_states)
+        shape = (self.max_rows, key_states.shape[1], self._storage_positions(), key_states.shape[3])
+        k = self.k
+        if k is None or k.shape != shape or k.dtype != key_states.dtype or k.device != key_states.device:
+            self.k = key_states.new_zeros(shape)
+            self.v = value_states.new_zeros(shape)
+            self._storage_allocated(key_states.device)
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.k is not None and self.v is not None  # noqa: S101 - allocated by the first write
+        return self.k[: self.rows], self.v[: self.rows]
+
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         return self._max_positions(), 0
 
@@ -149,22 +174,8 @@ class StaticDenseLayer(_StaticStorage):
         self.v: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ storage
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows = key_states.shape[0]
-        if rows > self.max_rows:
-            raise ValueError(
-                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_rows}`"
-            )
-        super().lazy_initialization(key_states, value_states)
-        shape = (self.max_rows, key_states.shape[1], self.max_positions, key_states.shape[3])
-        k = self.k
-        if k is None or k.shape != shape or k.dtype != key_states.dtype or k.device != key_states.device:
-            self.k = key_states.new_zeros(shape)
-            self.v = value_states.new_zeros(shape)
-
-    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.k is not None and self.v is not None  # noqa: S101 - allocated by the first write
-        return self.k[: self.rows], self.v[: self.rows]
+    def _storage_positions(self) -> int:
+        return self.max_positions
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         q = key.shape[2]
@@ -324,24 +335,12 @@ class StaticSharedLayer(_StaticStorage):
         self.own_start_t: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ storage
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows = key_states.shape[0]
-        if rows > self.max_rows:
-            raise ValueError(
-                f"the batch has {rows} rows but this static cache was built with `max_batch_size={self.max_rows}`"
-            )
-        super().lazy_initialization(key_states, value_states)
-        shape = (self.max_rows, key_states.shape[1], self.capacity, key_states.shape[3])
-        k = self.k
-        if k is None or k.shape != shape or k.dtype != key_states.dtype or k.device != key_states.device:
-            self.k = key_states.new_zeros(shape)
-            self.v = value_states.new_zeros(shape)
-            self.own_start_t = torch.zeros((), dtype=torch.long, device=key_states.device)
-            self.own_start_t.fill_(self.own_start)
+    def _storage_positions(self) -> int:
+        return self.capacity
 
-    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.k is not None and self.v is not None  # noqa: S101 - allocated by the first write
-        return self.k[: self.rows], self.v[: self.rows]
+    def _storage_allocated(self, device: torch.device) -> None:
+        self.own_start_t = torch.zeros((), dtype=torch.long, device=device)
+        self.own_start_t.fill_(self.own_start)
 
     def boundary(self, effective: torch.Tensor) -> torch.Tensor:
         """`H` of effective positions (any shape)."""
