@@ -359,10 +359,12 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         )
         rope = _rope_angles(position_ids, self.config.head_dim, self.config.rope_base)
         n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
-        all_hidden: list[torch.Tensor] = [embeds]
+        # every block's output is kept only when asked for: at 8K tokens they would hold 11 GiB per row (Huginn-0125)
+        all_hidden: list[torch.Tensor] | None = [embeds] if flags.hidden_states else None
         for i, block in enumerate(self._part("prelude")):
             embeds = block(embeds, rope, state, i)
-            all_hidden.append(embeds)
+            if all_hidden is not None:
+                all_hidden.append(embeds)
 
         injected = embeds  # the prelude's output, copied once to the adapter's device when a device_map splits them
         for step in range(steps_no_grad + steps_with_grad):
@@ -371,16 +373,19 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
                 adapter_device = x.device
                 for j, block in enumerate(self._part("core_block")):
                     x = block(x, rope, state, n_pre + n_core * step + j)
-                    all_hidden.append(x)
+                    if all_hidden is not None:
+                        all_hidden.append(x)
             if injected.device != adapter_device:  # the adapter runs elsewhere: later steps meet it there
                 injected = embeds.to(adapter_device)  # (in the caller's grad mode: the prelude still gets gradients)
         x = self._part("ln_f")(x)
         latent_states = x.clone().detach()
         for c, block in enumerate(self._part("coda")):
             x = block(x, rope, state, -(c + 1))
-            all_hidden.append(x)
+            if all_hidden is not None:
+                all_hidden.append(x)
         x = self._part("ln_f")(x)
-        all_hidden[-1] = x
+        if all_hidden is not None:
+            all_hidden[-1] = x
 
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         head_in = x[:, keep] if isinstance(keep, slice) else x.index_select(1, keep.to(x.device))
@@ -392,7 +397,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         if loss is not None:
             log_ppl = loss.clone().detach()
-        hidden_states: Any = tuple(all_hidden) if flags.hidden_states else (x if details["return_head"] else None)
+        hidden_states: Any = tuple(all_hidden) if all_hidden is not None else (x if details["return_head"] else None)
         output = HuginnCausalLMOutput(
             loss=loss,
             log_ppl=log_ppl,

@@ -227,21 +227,24 @@ class OuroModel(OuroPreTrainedModel):
         )
         rope = self.rotary_emb(hidden, position_ids)
         n_layers = self.config.num_hidden_layers
-        all_hidden: list[torch.Tensor] = [hidden]
+        # every layer's output is kept only when asked for: at 8K tokens they would hold 3.2 GiB per row (Ouro-1.4B)
+        all_hidden: list[torch.Tensor] | None = [hidden] if flags.hidden_states else None
         loop_hidden: list[torch.Tensor] = []
         gate_logits: list[torch.Tensor] = []
         for loop in range(num_loops):
             for layer_idx, layer in enumerate(self.layers):
                 hidden = layer(hidden, rope, state, loop * n_layers + layer_idx)
-                all_hidden.append(hidden)
+                if all_hidden is not None:
+                    all_hidden.append(hidden)
             hidden = self.norm(hidden)
-            all_hidden[-1] = hidden
+            if all_hidden is not None:
+                all_hidden[-1] = hidden
             loop_hidden.append(hidden)
             if use_early_exit_gate:
                 gate_logits.append(self.early_exit_gate(hidden))
         output = OuroModelOutput(
             last_hidden_state=hidden,
-            hidden_states=tuple(all_hidden) if flags.hidden_states else None,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             attentions=tuple(state.attentions) if state.attentions is not None else None,
             loop_hidden_states=tuple(loop_hidden),
             exit_gate_logits=tuple(gate_logits) if use_early_exit_gate else None,
