@@ -20,11 +20,17 @@ batch size). A static cache is built once per configuration and `reset()` betwee
 warm-up run is replayed by the measured ones; `capture_s` is the warm-up step plus the capture. Static rows record
 whether their greedy tokens equal the eager run's (`tokens_equal_eager`, when `eager` ran first) and, for `graph`,
 the static eager run's (`tokens_equal_static`), with the first generated step that differs.
+
+`--fused on off` measures the looped models both with their fused layer kernels (`triton_ops.fused`: RMS norm with
+the residual, RoPE, `silu(gate) * up`, one kernel each; the default on CUDA) and op by op (`fused.disabled()`); the
+row says which (`fused_ops`), and token comparisons stay within one setting.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import time
 from typing import Any
 
@@ -33,6 +39,7 @@ import torch
 from benchmarks.common import build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
 from hf_loopcache.cache.layers.static import StaticDenseLayer
+from triton_ops import fused
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
     "full": lambda model, **kw: FullLoopCache(model, **kw),
@@ -122,6 +129,7 @@ def run_one(
     count_kernels: bool = False,
     mode: str = "eager",
     reference: dict[tuple, torch.Tensor] | None = None,
+    fused_ops: bool = True,
 ) -> dict[str, Any]:
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
@@ -133,6 +141,7 @@ def run_one(
         "cache": cache_name,
         "mode": "peer" if peer else mode,
         "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
+        "fused_ops": fused_ops if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -189,7 +198,7 @@ def run_one(
             generated=int(out.shape[1] - prompt_len),
         )
         if reference is not None and not peer:
-            key = (shape, cache_name, batch, context, new_tokens)
+            key = (shape, cache_name, batch, context, new_tokens, fused_ops)
             reference[(*key, mode)] = out.cpu()
             for other in ("eager", "static"):
                 if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
@@ -240,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="looped-cache modes: growable eager, static eager, static with the captured decode step")
     parser.add_argument("--static", action="store_true", help="add the `static` mode")
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
+    parser.add_argument("--fused", nargs="+", default=["on"], choices=("on", "off"),
+                        help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     args = parser.parse_args(argv)
@@ -256,9 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches:
             for batch in args.batches:
-                for mode in modes:
-                    row = run_one(model, shape, cache_name, batch, args.context, args.new_tokens, device,
-                                  count_kernels=args.count_kernels, mode=mode, reference=reference)
+                for mode, on in itertools.product(modes, args.fused):
+                    with contextlib.nullcontext() if on == "on" else fused.disabled():
+                        row = run_one(model, shape, cache_name, batch, args.context, args.new_tokens, device,
+                                      count_kernels=args.count_kernels, mode=mode, reference=reference,
+                                      fused_ops=on == "on")
                     print(row, flush=True)
                     rows.append(row)
                     write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
