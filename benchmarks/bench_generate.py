@@ -1,6 +1,7 @@
 """End-to-end `model.generate` with a looped-model cache, beside transformers' own caches on a plain model.
 
-Method (gpt-fast style): one warm-up generate, then per configuration a prefill-only run (`max_new_tokens=1`) and a
+Method (gpt-fast style): per configuration a warm-up generate of 4 tokens at the measured shape (Triton's kernels
+compile per argument specialisation at their first launch; `warmup_s`), then a prefill-only run (`max_new_tokens=1`) and a
 full run; decode time = full - prefill (the same for CPU time, from `time.process_time`); CUDA synchronised around
 every timer; peak memory from `torch.cuda.max_memory_allocated` (reset before each run). Out-of-memory is recorded
 as a row, not an error. With `--count-kernels`, one more pair of runs under `torch.profiler` counts CUDA kernel
@@ -69,8 +70,10 @@ def peer_model(looped: Any, dtype: torch.dtype, device: str):
         num_hidden_layers=layout.num_cells,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
+        head_dim=layout.head_dim,
+        # Huginn's config names these `block_size` / `norm_eps` (the peer only needs positions >= the context)
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", None) or cfg.block_size,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=0,
@@ -174,10 +177,11 @@ def run_one(
         if peer and cache_name == "static":  # compile warm-up at this batch size, reported apart
             _, t_warm, _ = _timed(lambda: generate(4), device)
             row["compile_warmup_s"] = round(t_warm, 2)
-        if static_cache is not None:  # warm-up at this batch size (captures the decode step in `graph` mode)
+        else:  # warm-up at this shape: Triton compiles a kernel per argument
+            # specialisation at its first launch (eager rows included), and a graph is captured in `graph` mode
             _, t_warm, _ = _timed(lambda: generate(4), device)
             row["warmup_s"] = round(t_warm, 2)
-            if mode == "graph":
+            if mode == "graph" and static_cache is not None:
                 row["capture_s"] = [step["capture_s"] for step in static_cache.captured_steps()]
         reset_peak(device)
         prefill_only, t_prefill, c_prefill = _timed(lambda: generate(1), device)
