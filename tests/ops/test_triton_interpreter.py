@@ -17,6 +17,7 @@ MODULES = [
     "tests/ops/test_quant_kernels.py",
     "tests/ops/test_coded_attention_kernels.py",
     "tests/ops/test_coded_attention_static.py",
+    "tests/ops/test_fused_kernels.py",
 ]
 
 
