@@ -275,21 +275,26 @@ def test_static_loopkv_self_speculative_lossless(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_captured_loopkv_decode_equals_eager_cuda(arch, name):
     """On CUDA, `generate` replays a captured one-token step of a static LoopKV cache (the Triton coded-attention
-    kernel with device-side lengths, the page flush inside the graph): the same greedy tokens as eager decoding of
-    the static cache and of the growable cache, logits within fp32 rounding of the eager static step."""
+    kernel with device-side lengths, the page flush inside the graph, V precision counting): the same greedy tokens
+    and logits as eager decoding of the same static cache (fp32, 40 new tokens: two page flushes of pages of 16), and
+    the same V-precision counts. (Against the growable cache the fp32 logits differ by the reads' rounding, which a
+    random model of this width amplifies; that equality is checked in fp64 on the CPU.)"""
     model = make_model(arch, **({"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro"
                                 else {"n_embd": 256, "n_heads": 2})).float().cuda()  # fmt: skip
     layout = model.loop_layout
+    assert layout.head_dim == 128  # the kernel's coded path needs D >= 64
     plan = loopkv_preset(layout, name, sink=4, window=8, page_size=16, group_size=32)
-    assert layout.head_dim == 128
     ids, mask = (t.cuda() for t in _prompt(3, True, length=21))
-    expected = _generate(model, arch, ids, mask, LoopKVCache(model, plan, tau=2.0), new=40)
-    cache = LoopKVCache(model, plan, tau=2.0, static=True, max_batch_size=4, max_cache_len=96)
+    cache = LoopKVCache(model, plan, tau=14.0, static=True, max_batch_size=4, max_cache_len=96)
+    stats = cache.track_v_precision()
     eager = _generate(model, arch, ids, mask, cache, new=40, disable_compile=True)
+    eager_counts = stats.counts.clone()
     assert not cache.captured_steps()
     cache.reset()
+    stats = cache.track_v_precision()
     captured = _generate(model, arch, ids, mask, cache, new=40)
     assert [step["batch"] for step in cache.captured_steps()] == [3]
-    assert torch.equal(eager.sequences, expected.sequences) and torch.equal(captured.sequences, expected.sequences)
+    assert torch.equal(captured.sequences, eager.sequences)
     for a, b in zip(captured.logits, eager.logits):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert torch.equal(stats.counts, eager_counts)

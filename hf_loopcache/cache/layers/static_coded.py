@@ -83,7 +83,8 @@ class _StaticWindowed(_StaticStorage):
 
     def _storage_allocated(self, device: torch.device) -> None:
         assert self.k is not None  # noqa: S101 - allocated by the caller
-        shape = (self.max_rows, self.k.shape[1], self.sink, self.k.shape[3])
+        # one scratch slot past the sink: a decode step writes its token there when it is not a sink position
+        shape = (self.max_rows, self.k.shape[1], self.sink + 1, self.k.shape[3])
         self.sink_k, self.sink_v = self.k.new_zeros(shape), self.k.new_zeros(shape)
         self.floor_t = torch.full((), self.floor, dtype=torch.long, device=device)
 
@@ -129,12 +130,10 @@ class _StaticWindowed(_StaticStorage):
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
         ring_k, ring_v = self._views()
-        if self.sink and q == 1:  # the decode step: select on the device (a short prompt's sink fills here)
-            slot = positions.clamp(max=self.sink - 1)
-            into = (positions < self.sink)[None, None, :, None]
-            sk, sv = self.sink_k[:rows], self.sink_v[:rows]  # type: ignore[index]
-            sk.index_copy_(2, slot, torch.where(into, key.to(sk.dtype), sk.index_select(2, slot)))
-            sv.index_copy_(2, slot, torch.where(into, value.to(sv.dtype), sv.index_select(2, slot)))
+        if self.sink and q == 1:  # the decode step: a short prompt's sink fills here, else the scratch slot takes it
+            slot = positions.clamp(max=self.sink)
+            self.sink_k[:rows].index_copy_(2, slot, key.to(self.sink_k.dtype))  # type: ignore[index]
+            self.sink_v[:rows].index_copy_(2, slot, value.to(self.sink_v.dtype))  # type: ignore[index]
         elif self.sink and self.length < self.sink:  # a block (eager): host slices
             n = min(self.sink, self.length + q) - self.length
             self.sink_k[:rows, :, self.length : self.length + n] = key[:, :, :n]  # type: ignore[index]
@@ -172,8 +171,8 @@ class _StaticWindowed(_StaticStorage):
             hist_end = hist_end.clamp(max=max(limit, self.floor))
         hk, hv = self._history()
         rows = self.rows
-        sk = self.sink_k[:rows] if self.sink else None  # type: ignore[index]
-        sv = self.sink_v[:rows] if self.sink else None  # type: ignore[index]
+        sk = self.sink_k[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
+        sv = self.sink_v[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
         ring_k, ring_v = self._views()
         valid = read.static_valid
         return CellView(
@@ -366,7 +365,7 @@ class StaticCodedLayer(_StaticWindowed):
         if nbits not in (2, 4):
             raise ValueError(f"`nbits` must be one of (2, 4), got {nbits!r}")
         self.nbits, self.group = nbits, group_size
-        self.num_pages = max(1, math.ceil(max(0, max_cache_len - sink) / page_size))
+        self.num_pages = max(1, math.ceil(max(0, max_cache_len - sink) / page_size))  # + a scratch page (`flush`)
         self.qk: QuantizedKeys | None = None
         self.qv: QuantizedValues | None = None
 
@@ -378,7 +377,7 @@ class StaticCodedLayer(_StaticWindowed):
         super()._storage_allocated(device)
         assert self.k is not None  # noqa: S101 - allocated by the caller
         rows, heads, _, d = self.k.shape
-        tokens, pages = self.num_pages * self.page, self.num_pages
+        tokens, pages = (self.num_pages + 1) * self.page, self.num_pages + 1
         u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float16, device=device)
         self.qk = QuantizedKeys(
             codes=torch.zeros(rows, heads, tokens, d * self.nbits // 8, **u8),
@@ -398,12 +397,18 @@ class StaticCodedLayer(_StaticWindowed):
 
     def _history(self):
         assert self.qk is not None and self.qv is not None  # noqa: S101 - allocated by the first write
-        rows = self.rows
+        return self._codes(self.num_pages)
+
+    def _codes(self, pages: int) -> tuple[QuantizedKeys, QuantizedValues]:
+        """Views of the first `pages` pages of the live rows (`num_pages + 1` includes the scratch page)."""
+        assert self.qk is not None and self.qv is not None  # noqa: S101 - allocated by the first write
+        rows, t = self.rows, pages * self.page
         qk, qv = self.qk, self.qv
-        keys = QuantizedKeys(qk.codes[:rows], qk.scale[:rows], qk.zero[:rows], qk.nbits, qk.group_size)
+        keys = QuantizedKeys(qk.codes[:rows, :, :t], qk.scale[:rows, :, :pages], qk.zero[:rows, :, :pages], qk.nbits,
+                             qk.group_size)  # fmt: skip
         values = QuantizedValues(
-            qv.hi[:rows], None if qv.lo is None else qv.lo[:rows], qv.scale[:rows], qv.zero[:rows], qv.nbits,
-            qv.group_size,
+            qv.hi[:rows, :, :t], None if qv.lo is None else qv.lo[:rows, :, :t], qv.scale[:rows, :, :t],
+            qv.zero[:rows, :, :t], qv.nbits, qv.group_size,
         )  # fmt: skip
         return keys, values
 
@@ -427,11 +432,10 @@ class StaticCodedLayer(_StaticWindowed):
         return super().stored_bytes() + keys.select_pages(0, pages).nbytes + values.select_tokens(0, coded).nbytes
 
     # ---------------------------------------------------------------- codes
-    def _put(self, page: torch.Tensor | int, qk: QuantizedKeys, qv: QuantizedValues, write=None) -> None:
-        """Codes of `qk.num_pages` pages from page `page` (a host int, or a one-element device tensor for one page,
-        written only where `write` is True)."""
-        rows, p = self.rows, self.page
-        own_k, own_v = self._history()
+    def _put(self, page: torch.Tensor | int, qk: QuantizedKeys, qv: QuantizedValues) -> None:
+        """Codes of `qk.num_pages` pages from page `page` (a host int, or a one-element device tensor for one page)."""
+        p = self.page
+        own_k, own_v = self._codes(self.num_pages + 1)
         if isinstance(page, int):
             n = qk.num_pages
             t0, t1 = page * p, (page + n) * p
@@ -444,20 +448,14 @@ class StaticCodedLayer(_StaticWindowed):
                 dst[:, :, t0:t1] = src
             return
         tokens = page * p + torch.arange(p, device=page.device)
-
-        def put(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-            keep = dst.index_select(2, index)
-            dst.index_copy_(2, index, torch.where(write, src, keep))
-
-        put(own_k.codes, tokens, qk.codes)
-        put(own_k.scale, page, qk.scale)
-        put(own_k.zero, page, qk.zero)
-        put(own_v.hi, tokens, qv.hi)
-        put(own_v.scale, tokens, qv.scale)
-        put(own_v.zero, tokens, qv.zero)
-        if qv.lo is not None:
-            put(own_v.lo, tokens, qv.lo)  # type: ignore[arg-type]
-        del rows
+        own_k.codes.index_copy_(2, tokens, qk.codes)
+        own_k.scale.index_copy_(2, page, qk.scale)
+        own_k.zero.index_copy_(2, page, qk.zero)
+        own_v.hi.index_copy_(2, tokens, qv.hi)
+        own_v.scale.index_copy_(2, tokens, qv.scale)
+        own_v.zero.index_copy_(2, tokens, qv.zero)
+        if qv.lo is not None and own_v.lo is not None:
+            own_v.lo.index_copy_(2, tokens, qv.lo)
 
     def _quantize(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, check_finite: bool = True):
         return quantize_pages(
@@ -465,18 +463,20 @@ class StaticCodedLayer(_StaticWindowed):
         )
 
     def flush(self, t: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Code the page ending at `H(t)` (`t` a one-element device tensor) from the ring, on the device; nothing is
-        written while `H(t) <= S` or when the ring does not hold the page (below `floor`)."""
+        """Code the page ending at `H(t)` (`t` a one-element device tensor) from the ring, on the device. While
+        `H(t) <= S`, or when the ring does not hold the page (below `floor`), the codes go to the scratch page past the
+        last one, which nothing reads: the step is the same either way."""
         h = self.boundary(t)
         start = h - self.page
-        write = ((h > self.sink) & (start >= self.floor_t))[:, None, None, None]  # [1, 1, 1, 1]
+        write = (h > self.sink) & (start >= self.floor_t)  # [1]
         start = start.clamp(min=self.sink)
         pos = start + torch.arange(self.page, device=t.device)
         ring_k, ring_v = self._views()
         k, v = ring_k.index_select(2, pos % self.capacity), ring_v.index_select(2, pos % self.capacity)
         mask = None if valid is None else valid[: self.rows].index_select(1, pos.clamp(max=valid.shape[1] - 1))
         qk, qv = self._quantize(k, v, mask, check_finite=False)
-        self._put((start - self.sink) // self.page, qk, qv, write)
+        page = torch.where(write, (start - self.sink) // self.page, self.num_pages)
+        self._put(page, qk, qv)
 
     def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
         """Code the pages of `[start, end)` (page aligned) on the host path: positions below `length` from the ring,
