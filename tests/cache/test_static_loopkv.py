@@ -244,6 +244,25 @@ def test_static_loopkv_crop_then_continue(arch, name):
     _same(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("name", ["kivi4", "kivi4-share", "hand"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_loopkv_deep_crop_restores_what_the_growable_cache_restores(arch, name):
+    """A crop of 9 positions with a rollback reserve of 1 (below the growable cell's window and the ring): the page
+    that straddles the new length comes back from the codes, as the growable cache restores it; decoding on gives
+    its logits (fp64: equal to 1e-10)."""
+    model = _model(arch).double()
+    ids, mask = _prompt(2, True)
+    outs = []
+    for cache in (_cache(model, name, max_rollback=1),
+                  _cache(model, name, max_rollback=1, static=True, max_batch_size=2, max_cache_len=48)):  # fmt: skip
+        first = _generate(model, arch, ids, mask, cache, new=16).sequences
+        cache.crop(-9)
+        keep = first[:, : cache.get_seq_length() + 1]
+        grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+        outs.append(_generate(model, arch, keep, grown, cache, new=10))
+    _same(outs[1], outs[0], atol=1e-10)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_static_ripe_with_a_sink_equals_growable(arch):
     """RIPE with a sink (its shared cells read a BF16 source through the static windowed cell)."""

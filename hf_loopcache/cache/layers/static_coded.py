@@ -72,6 +72,9 @@ class _StaticWindowed(_StaticStorage):
         self.high = 0  # one past the highest position written since the last reset (host)
         self.floor = sink  # ring positions below this are not read (host mirror of `floor_t`)
         self.held_from = 0  # the ring holds no position below this (a resize dropped them)
+        # where the growable cell's full-precision window starts (`H(length - rollback)`, never moving back but for a
+        # deep crop): a crop below it restores the straddling page from the history, as the growable cell does
+        self.keep_start = sink
         # the key validity of the last forward (`ReadState.static_valid`: a view of the cache's device mask), for the
         # pages coded outside a forward (inspection, a deep crop)
         self.valid: torch.Tensor | None = None
@@ -144,12 +147,17 @@ class _StaticWindowed(_StaticStorage):
         ring_k.index_copy_(2, slots, key.to(ring_k.dtype))
         ring_v.index_copy_(2, slots, value.to(ring_v.dtype))
         self.length += q
-        self.high = max(self.high, self.length)
+        self._moved()
 
     def advance(self, query_length: int) -> None:
         """Host bookkeeping of a replayed step that wrote `query_length` positions."""
         self.length += query_length
+        self._moved()
+
+    def _moved(self) -> None:
         self.high = max(self.high, self.length)
+        keep = window_boundary(self.length - self.rollback, sink=self.sink, window=self.window, page_size=self.page)
+        self.keep_start = max(self.keep_start, keep)
 
     def _ring_states(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Ring positions `[start, end)` (host; all must be held)."""
@@ -267,36 +275,43 @@ class _StaticWindowed(_StaticStorage):
 
     def truncate(self, length: int) -> None:
         """Keep `[0, length)`. Within the rollback reserve the ring still holds what the next reads and flushes
-        need; deeper, the page that straddles `length` goes back to the ring as the history holds it (decoded), and
-        the ring is read from that page on (as the growable cell does below its window)."""
+        need. Below the growable cell's window start (`keep_start`), as there: the positions from the last history
+        boundary at or below `length` go back to the ring as the history holds them (decoded), and the ring is read
+        from there on."""
         if length >= self.length:
             return
         length = max(0, length)
         if length <= self.sink:
-            self.length = length
+            self.length = self.high = length
+            self.keep_start = self.sink
             self._set_floor(self.sink)
             return
-        page_start = page_floor(length, start=self.sink, page_size=self.page)
         need = window_boundary(length, sink=self.sink, window=self.window, page_size=self.page) - self.page
-        if not self._ring_holds(max(self.sink, need)):
-            self._deep_truncate(length, page_start)
+        if length < self.keep_start or not self._ring_holds(max(self.sink, need)):
+            self._deep_truncate(length)
         self.length = length
 
-    def _deep_truncate(self, length: int, page_start: int) -> None:
-        if not self._ring_holds(page_start):
-            k, v = self._decoded_history(page_start, length)
+    def _served(self, length: int) -> int:
+        """The history boundary at or below `length` that the history can serve (a page boundary for codes)."""
+        return page_floor(length, start=self.sink, page_size=self.page)
+
+    def _deep_truncate(self, length: int) -> None:
+        served = self._served(length)
+        if served < length:
+            k, v = self._decoded_history(served, length)
             ring_k, ring_v = self._views()
-            slots = torch.arange(page_start, length, device=ring_k.device) % self.capacity
+            slots = torch.arange(served, length, device=ring_k.device) % self.capacity
             ring_k.index_copy_(2, slots, k.to(ring_k.dtype))
             ring_v.index_copy_(2, slots, v.to(ring_v.dtype))
-        self.high = length
-        self._set_floor(page_start)
+        self.high, self.keep_start, self.held_from = length, served, 0
+        self._set_floor(served)
 
     def _decoded_history(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def reset(self) -> None:
         self.length = self.high = self.held_from = 0
+        self.keep_start = self.sink
         self._set_floor(self.sink)
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -564,17 +579,14 @@ class StaticCodedLayer(_StaticWindowed):
             k, _ = self._views()
             empty = k[:, :, :0]
             return empty, empty
-        if self._ring_holds(start):
+        if start >= self.keep_start and self._ring_holds(start):
             return self._ring_states(start, end)
         return self._decoded_history(start, end)
 
     def _decoded_history(self, start, end):
+        """History positions `[start, end)` decoded from the codes (coded first where the ring still holds them)."""
+        self._code_for(page_floor(end - 1, start=self.sink, page_size=self.page) + self.page)
         return self._history_decoded(start, end)
-
-    def _deep_truncate(self, length: int, page_start: int) -> None:
-        # the reads go to the history below `page_start` from now on: code what the ring holds below it
-        self._code_for(page_start)
-        super()._deep_truncate(length, page_start)
 
 
 class StaticCodedSharedLayer(_StaticWindowed):
@@ -657,3 +669,6 @@ class StaticCodedSharedLayer(_StaticWindowed):
 
     def _decoded_history(self, start, end):
         return self.source.decoded(start, end)
+
+    def _served(self, length: int) -> int:
+        return self.source.readable_limit(length)
