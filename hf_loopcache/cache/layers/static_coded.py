@@ -173,8 +173,30 @@ class _StaticWindowed(_StaticStorage):
         """Codes or a BF16 plane of every history page `[S, ...)` (fixed shapes)."""
         raise NotImplementedError
 
+    def _geometry(self, read: ReadState, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Device values every windowed cell of the forward with this sink, window, page and ring shares, computed
+        once per forward: `H` of the queries, and the page a decode step flushes (its start, ring slots, page index,
+        whether one is due, the key validity of its positions)."""
+        key = ("static-windowed", self.sink, self.window, self.page, self.capacity, positions.data_ptr())
+        geo = read.memo.get(key)
+        if geo is None:
+            t = positions[:1]
+            h = self.boundary(t)
+            start = (h - self.page).clamp(min=self.sink)
+            pos = start + torch.arange(self.page, device=t.device)
+            valid = read.static_valid
+            geo = read.memo[key] = dict(
+                bounds=self.boundary(positions),
+                start=start,
+                slots=pos % self.capacity,
+                page=(start - self.sink) // self.page,
+                due=(h > self.sink) & (h - self.page >= self.sink),
+                valid=valid if valid is None else valid.index_select(1, pos.clamp(max=valid.shape[1] - 1)),
+            )
+        return geo
+
     def _view(self, key, value, read, positions, limit: int | None) -> CellView:
-        hist_end = torch.maximum(self.boundary(positions), self.floor_t)  # type: ignore[arg-type]
+        hist_end = torch.maximum(self._geometry(read, positions)["bounds"], self.floor_t)  # type: ignore[arg-type]
         if limit is not None:  # eager (a block or a draft): what the history can serve now
             hist_end = hist_end.clamp(max=max(limit, self.floor))
         hk, hv = self._history()
@@ -477,20 +499,16 @@ class StaticCodedLayer(_StaticWindowed):
             k, v, self.nbits, page_size=self.page, group_size=self.group, valid=valid, check_finite=check_finite
         )
 
-    def flush(self, t: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Code the page ending at `H(t)` (`t` a one-element device tensor) from the ring, on the device. While
-        `H(t) <= S`, or when the ring does not hold the page (below `floor`), the codes go to the scratch page past the
-        last one, which nothing reads: the step is the same either way."""
-        h = self.boundary(t)
-        start = h - self.page
-        write = (h > self.sink) & (start >= self.floor_t)  # [1]
-        start = start.clamp(min=self.sink)
-        pos = start + torch.arange(self.page, device=t.device)
+    def flush(self, read: ReadState, positions: torch.Tensor) -> None:
+        """Code the page ending at `H(t)` (`t = positions[0]`, on the device) from the ring. While `H(t) <= S`, or when
+        the ring does not hold the page (below `floor`), the codes go to the scratch page past the last one, which
+        nothing reads: the step is the same either way."""
+        geo = self._geometry(read, positions)
         ring_k, ring_v = self._views()
-        k, v = ring_k.index_select(2, pos % self.capacity), ring_v.index_select(2, pos % self.capacity)
-        mask = None if valid is None else valid[: self.rows].index_select(1, pos.clamp(max=valid.shape[1] - 1))
-        qk, qv = self._quantize(k, v, mask, check_finite=False)
-        page = torch.where(write, (start - self.sink) // self.page, self.num_pages)
+        k, v = ring_k.index_select(2, geo["slots"]), ring_v.index_select(2, geo["slots"])
+        mask = geo["valid"]
+        qk, qv = self._quantize(k, v, None if mask is None else mask[: self.rows], check_finite=False)
+        page = torch.where(geo["due"] & (geo["start"] >= self.floor_t), geo["page"], self.num_pages)
         self._put(page, qk, qv)
 
     def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
@@ -524,7 +542,7 @@ class StaticCodedLayer(_StaticWindowed):
         done = read.memo.get(key)
         if end is None and q == 1 and read.complete:
             if done is None:
-                self.flush(positions[:1], read.static_valid)
+                self.flush(read, positions)
                 read.memo[key] = -1
             return
         if end is None:
