@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
     parser.add_argument("--fused", nargs="+", default=["on"], choices=("on", "off"),
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
-    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "matmul"),
+    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     args = parser.parse_args(argv)
     modes = [m for m in MODES if m in args.modes or (m == "static" and args.static) or (m == "graph" and args.graph)]
