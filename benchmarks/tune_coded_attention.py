@@ -139,7 +139,7 @@ def _cast(view):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm")
+    p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm[,words]")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
     p.add_argument("--providers", nargs="+", default=["int4"])
@@ -159,8 +159,9 @@ def main(argv=None):
     print(f"data {time.time() - t0:.1f}s", flush=True)
     configs = []
     for c in args.configs:
-        pg, nw, st, ps = (int(x) for x in c.split(","))
-        configs.append((c, dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps)))
+        pg, nw, st, ps, *wd = (int(x) for x in c.split(","))
+        tune = dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps, words=bool(wd and wd[0]))
+        configs.append((c, tune))
     if args.baseline:
         configs.insert(0, ("v2", dict(enabled=False)))
     rows = []

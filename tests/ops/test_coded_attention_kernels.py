@@ -165,7 +165,7 @@ def _reference_error(data, dtype):
     return (low[0].double() - exact[0]).abs().max().item()
 
 
-def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
+def _run_kernel(data, device=DEVICE, vprec=None, stats=None, tuning=None):
     from triton_ops.coded_attention.ops import _coded_attention_fwd, _kernel_supports
 
     case, dtype = data["case"], data["dtype"]
@@ -177,13 +177,14 @@ def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
     return _coded_attention_fwd(
         query, view, scaling=data["scaling"],
         v_precision_tau=data["tau"] if use_vprec else None, v_precision_stats=stats, num_splits=case.splits,
+        tuning=tuning,
     )  # fmt: skip
 
 
-def _check(case: Case, dtype: torch.dtype, seed: int = 0):
+def _check(case: Case, dtype: torch.dtype, seed: int = 0, tuning: dict | None = None):
     data = _build(case, dtype, seed)
     stats_k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    out, lse = _run_kernel(data, stats=stats_k)
+    out, lse = _run_kernel(data, stats=stats_k, tuning=tuning)
     assert out.dtype == dtype and out.shape == (case.B, case.Hq, case.Q, case.D)
     assert lse.shape == (case.B, case.Hq, case.Q) and lse.dtype == torch.float32
     stats_r = torch.zeros(2, dtype=torch.int64)
@@ -235,6 +236,17 @@ def test_kernel_matches_reference(case, dtype):
     _check(case, dtype)
 
 
+ROW1_CASES = [c for c in CPU_CASES if c.Hq == c.Hkv and c.Q == 1 and c.fmt]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in ROW1_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pages", [1, 2], ids=["np1", "np2"])
+def test_word_path_matches_reference(case, dtype, pages):
+    """v4: the one-row path reading codes as 32-bit words, the next step's tiles loaded ahead (`ROW1_TUNING` words)."""
+    _check(case, dtype, tuning={"words": True, "pages": pages})
+
+
 def test_v_precision_is_applied():
     """With V precision off, the kernel leaves the reference with V precision by far more than the tolerance, so
     the comparisons above would see it missing (LoopKV Sec. 3.3); the counts give a real mix of cold and hot."""
@@ -257,16 +269,17 @@ def test_running_max_crosses_splits():
     stats = torch.zeros(2, dtype=torch.int64)
     ref, _ = _reference(data, stats=stats)
     assert stats[0].item() > 0
-    for ns in (1, 2, 4):
+    for ns, words in ((1, False), (2, False), (4, False), (1, True), (4, True)):
         data["case"].splits = ns
         got = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-        out, _ = _run_kernel(data, stats=got)
+        out, _ = _run_kernel(data, stats=got, tuning={"words": words})
         assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], ns
         assert got.tolist() == stats.tolist(), ns
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 @pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
-def test_late_maximum_moves_the_softmax_reference(vprec):
+def test_late_maximum_moves_the_softmax_reference(vprec, words):
     """One row per KV head (the elementwise path keeps a lazy softmax reference): a key aligned with the query in the
     last page forces the reference to move after two steps of pages were accumulated; the output must not change."""
     data = _build(Case(hist=320, S=0, Q=1, Hq=1, Hkv=1, splits=1, vprec=vprec), torch.float32)
@@ -275,7 +288,7 @@ def test_late_maximum_moves_the_softmax_reference(vprec):
     k[:, :, 300] = data["q"][:, :1, 0] * 6
     data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
     ref, ref_lse = _reference(data)
-    out, lse = _run_kernel(data)
+    out, lse = _run_kernel(data, tuning={"words": words})
     assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
 
@@ -323,6 +336,14 @@ def test_kernel_matches_reference_gpu_sweep(case):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_kernel_matches_reference_gpu(case, dtype):
     _check(case, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_SWEEP if c.fmt] + [GPU_SPECIAL[3]])
+@pytest.mark.parametrize("pages", [1, 2], ids=["np1", "np2"])
+def test_word_path_gpu_sweep(case, pages):
+    _check(case, torch.bfloat16, tuning={"words": True, "pages": pages})
 
 
 def test_kernel_refuses_shapes_it_cannot_take():
