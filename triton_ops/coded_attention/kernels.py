@@ -260,63 +260,69 @@ def _codes_history_row1(
 
 
 @triton.jit
-def _wfield(w, POS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
-    """The NB-bit field at bit POS (0..31) of int32 words `w` as fp32; FAST: `1 + field / 2**NB` (the field shifted
-    to the top of 1.0's mantissa: one shift, one LOP3), else the field itself (exact)."""
+def _wfield(w, one, POS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+    """The NB-bit field at bit POS (0..31) of int32 words `w` as fp32. FAST: `1 + field * 2**(TGT - 23)`: the field
+    shifted to bits TGT .. TGT + NB - 1 of 1.0's mantissa and OR-ed into it (one shift, one LOP3; no conversion).
+    TGT cycles through 15, 15 + NB, .. 23 - NB over consecutive fields, so the 8 / NB fields of a byte move by the
+    same shift (computed once) and each shift serves 8 / NB fields; the lowest sits 2**-8 below 1.0, so fp32 keeps
+    ~2**-15 relative of the field's term. `one`: the bits of 1.0 (0x3F800000) as a run-time register value, so that
+    the LOP3's one immediate is the field's mask (two constants would be re-materialised before every LOP3). Else
+    the field itself (exact)."""
     if FAST:
-        TGT: tl.constexpr = 23 - NB
+        TGT: tl.constexpr = 15 + NB * ((POS // NB) % (8 // NB))
         if TGT >= POS:
             x = w << (TGT - POS)
         else:
             x = w >> (POS - TGT)
-        return ((x & (((1 << NB) - 1) << TGT)) | 0x3F800000).to(tl.float32, bitcast=True)
+        return ((x & (((1 << NB) - 1) << TGT)) | one).to(tl.float32, bitcast=True)
     else:
         return _u2f((w >> POS) & ((1 << NB) - 1))
 
 
 @triton.jit
-def _kacc8(b_sa, w, q0, q1, q2, q3, q4, q5, q6, q7, POS0: tl.constexpr, STEP: tl.constexpr, NB: tl.constexpr,
+def _kacc8(b_sa, w, one, q0, q1, q2, q3, q4, q5, q6, q7, POS0: tl.constexpr, STEP: tl.constexpr, NB: tl.constexpr,
            FAST: tl.constexpr):  # fmt: skip
     """`b_sa += field_i(w) * q_i` for the 8 key lanes at bits POS0 + STEP * i of the words `w` [NP, PAGE, DW] (the
     lane queries `q_i` [NP, DW] carry the page's scale): one FFMA per code element, summed over words after."""
-    b_sa += _wfield(w, POS0, NB, FAST) * q0[:, None, :]
-    b_sa += _wfield(w, POS0 + STEP, NB, FAST) * q1[:, None, :]
-    b_sa += _wfield(w, POS0 + 2 * STEP, NB, FAST) * q2[:, None, :]
-    b_sa += _wfield(w, POS0 + 3 * STEP, NB, FAST) * q3[:, None, :]
-    b_sa += _wfield(w, POS0 + 4 * STEP, NB, FAST) * q4[:, None, :]
-    b_sa += _wfield(w, POS0 + 5 * STEP, NB, FAST) * q5[:, None, :]
-    b_sa += _wfield(w, POS0 + 6 * STEP, NB, FAST) * q6[:, None, :]
-    b_sa += _wfield(w, POS0 + 7 * STEP, NB, FAST) * q7[:, None, :]
+    b_sa += _wfield(w, one, POS0, NB, FAST) * q0[:, None, :]
+    b_sa += _wfield(w, one, POS0 + STEP, NB, FAST) * q1[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 2 * STEP, NB, FAST) * q2[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 3 * STEP, NB, FAST) * q3[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 4 * STEP, NB, FAST) * q4[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 5 * STEP, NB, FAST) * q5[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 6 * STEP, NB, FAST) * q6[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 7 * STEP, NB, FAST) * q7[:, None, :]
     return b_sa
 
 
 @triton.jit
-def _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, w, b_w3, POS0: tl.constexpr, STEP: tl.constexpr, NB: tl.constexpr,
+def _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, w, one, b_w3, POS0: tl.constexpr, STEP: tl.constexpr, NB: tl.constexpr,
            FAST: tl.constexpr):  # fmt: skip
     """`a_i += w3 * field_i(w)` for 8 value lanes at bits POS0 + STEP * i of the words `w` [T, NG, VW]."""
-    a0 += b_w3 * _wfield(w, POS0, NB, FAST)
-    a1 += b_w3 * _wfield(w, POS0 + STEP, NB, FAST)
-    a2 += b_w3 * _wfield(w, POS0 + 2 * STEP, NB, FAST)
-    a3 += b_w3 * _wfield(w, POS0 + 3 * STEP, NB, FAST)
-    a4 += b_w3 * _wfield(w, POS0 + 4 * STEP, NB, FAST)
-    a5 += b_w3 * _wfield(w, POS0 + 5 * STEP, NB, FAST)
-    a6 += b_w3 * _wfield(w, POS0 + 6 * STEP, NB, FAST)
-    a7 += b_w3 * _wfield(w, POS0 + 7 * STEP, NB, FAST)
+    a0 += b_w3 * _wfield(w, one, POS0, NB, FAST)
+    a1 += b_w3 * _wfield(w, one, POS0 + STEP, NB, FAST)
+    a2 += b_w3 * _wfield(w, one, POS0 + 2 * STEP, NB, FAST)
+    a3 += b_w3 * _wfield(w, one, POS0 + 3 * STEP, NB, FAST)
+    a4 += b_w3 * _wfield(w, one, POS0 + 4 * STEP, NB, FAST)
+    a5 += b_w3 * _wfield(w, one, POS0 + 5 * STEP, NB, FAST)
+    a6 += b_w3 * _wfield(w, one, POS0 + 6 * STEP, NB, FAST)
+    a7 += b_w3 * _wfield(w, one, POS0 + 7 * STEP, NB, FAST)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _kq(p_ks, o_pg, m_pg, stride_hksp, b_qj, o_w, LANES: tl.constexpr, K: tl.constexpr):
-    """Lane K's query `b_qj` [DW] (scaled, loop-invariant) times the page's key scale of channel `LANES * w + K`:
-    `[NP, DW]` (from L1: the step's scale tile was loaded one step ahead)."""
-    b_ks = tl.load(p_ks + o_pg[:, None] * stride_hksp + (o_w * LANES + K)[None, :], mask=m_pg[:, None], other=0.0)
-    return b_ks.to(tl.float32) * b_qj[None, :]
-
-
-@triton.jit
-def _lq(q_ptr, o_w, qk_scale, LANES: tl.constexpr, K: tl.constexpr, KSC: tl.constexpr):
-    """Lane K's query [DW]: channel `LANES * w + K`, times the score scale and the field scale."""
-    return tl.load(q_ptr + o_w * LANES + K).to(tl.float32) * (qk_scale * KSC)
+def _split8(x):
+    """The 8 lanes of the last axis of `x` [A, B, 8] as 8 tensors [A, B] (lane order 0..7), by three halvings."""
+    A: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    e, o = tl.split(tl.reshape(x, [A, B, 4, 2]))  # lanes 2j, 2j + 1
+    ee, eo = tl.split(tl.reshape(e, [A, B, 2, 2]))  # 4j, 4j + 2
+    oe, oo = tl.split(tl.reshape(o, [A, B, 2, 2]))  # 4j + 1, 4j + 3
+    l0, l4 = tl.split(ee)
+    l2, l6 = tl.split(eo)
+    l1, l5 = tl.split(oe)
+    l3, l7 = tl.split(oo)
+    return l0, l1, l2, l3, l4, l5, l6, l7
 
 
 @triton.jit
@@ -345,12 +351,11 @@ def _codes_history_row1w(
     NG: tl.constexpr = D // VGROUP  # value groups per token
     VW: tl.constexpr = VGROUP // 16  # plane words per value group; lane j of word u is channel 16 * u + j
     T: tl.constexpr = NP * PAGE
-    if FAST:
-        KSC: tl.constexpr = 2.0**KV_FMT  # code = KSC * (f - 1)
-        VSC: tl.constexpr = 16.0 if KV_FMT == 4 else 4.0
-    else:
-        KSC: tl.constexpr = 1.0
-        VSC: tl.constexpr = 1.0
+    # FAST: value code = (f - 1) * VSC per lane (`_wfield`'s TGT): lanes 2i (a_i) / 2i + 1 (c_i), i even / odd
+    VA0: tl.constexpr = 256.0 if FAST else 1.0
+    VA1: tl.constexpr = 16.0 if FAST else 1.0
+    VC0: tl.constexpr = (256.0 if KV_FMT == 4 else 64.0) if FAST else 1.0
+    VC1: tl.constexpr = (16.0 if KV_FMT == 4 else 4.0) if FAST else 1.0
     o_np = tl.arange(0, NP)
     o_pt = tl.arange(0, PAGE)
     o_w = tl.arange(0, DW)
@@ -370,16 +375,11 @@ def _codes_history_row1w(
     if COUNT:
         b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
         b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
-    # lane queries (loop-invariant): lane j of key word w is channel LANES * w + j
-    q0, q1 = _lq(q_ptr, o_w, qk_scale, LANES, 0, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 1, KSC)
-    q2, q3 = _lq(q_ptr, o_w, qk_scale, LANES, 2, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 3, KSC)
-    q4, q5 = _lq(q_ptr, o_w, qk_scale, LANES, 4, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 5, KSC)
-    q6, q7 = _lq(q_ptr, o_w, qk_scale, LANES, 6, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 7, KSC)
-    if KV_FMT == 2:
-        q8, q9 = _lq(q_ptr, o_w, qk_scale, LANES, 8, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 9, KSC)
-        q10, q11 = _lq(q_ptr, o_w, qk_scale, LANES, 10, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 11, KSC)
-        q12, q13 = _lq(q_ptr, o_w, qk_scale, LANES, 12, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 13, KSC)
-        q14, q15 = _lq(q_ptr, o_w, qk_scale, LANES, 14, KSC), _lq(q_ptr, o_w, qk_scale, LANES, 15, KSC)
+    one = (tl.max(b_q * 0.0, axis=0) + 1.0).to(tl.int32, bitcast=True)  # 0x3F800000, not a compile-time constant
+    if FAST:  # code = (f - 1) * 2**(23 - TGT) with TGT of the channel's field (`_wfield`): folded into the query
+        b_qk = b_q * (1 << (8 - KV_FMT * ((o_d % LANES) % (8 // KV_FMT)))).to(tl.float32)
+    else:
+        b_qk = b_q
     # the first step's tiles (the loop loads the next step's at its top)
     o_pg = p_begin + o_np
     o_t3 = (o_pg[:, None] * PAGE + o_pt[None, :])[:, :, None]
@@ -426,41 +426,19 @@ def _codes_history_row1w(
         o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]  # [NP, PAGE] history token index
         m_vis = o_t2 < limit
         b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
-        if FAST:  # sum over channels of q * scale * KSC: the `1` of every f
-            b_bias -= tl.sum(b_ksf.to(tl.float32) * b_q[None, :], axis=1) * KSC
+        b_qs = b_ksf.to(tl.float32) * b_qk[None, :]  # [NP, D]: query x the page's key scale
+        if FAST:  # the `1` of every f
+            b_bias -= tl.sum(b_qs, axis=1)
         b_sa = tl.zeros([NP, PAGE, DW], dtype=tl.float32)
         if KV_FMT == 4:
-            b_sa = _kacc8(
-                b_sa, b_kw, _kq(hks_ptr, o_pg, m_pg, stride_hksp, q0, o_w, 8, 0),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q1, o_w, 8, 1),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q2, o_w, 8, 2),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q3, o_w, 8, 3),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q4, o_w, 8, 4),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q5, o_w, 8, 5),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q6, o_w, 8, 6),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q7, o_w, 8, 7), 0, 4, 4, FAST,
-            )  # fmt: skip
+            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(tl.reshape(b_qs, [NP, DW, 8]))
+            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 4, FAST)
         else:
-            b_sa = _kacc8(
-                b_sa, b_kw, _kq(hks_ptr, o_pg, m_pg, stride_hksp, q0, o_w, 16, 0),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q2, o_w, 16, 2),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q4, o_w, 16, 4),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q6, o_w, 16, 6),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q8, o_w, 16, 8),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q10, o_w, 16, 10),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q12, o_w, 16, 12),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q14, o_w, 16, 14), 0, 4, 2, FAST,
-            )  # fmt: skip
-            b_sa = _kacc8(
-                b_sa, b_kw, _kq(hks_ptr, o_pg, m_pg, stride_hksp, q1, o_w, 16, 1),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q3, o_w, 16, 3),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q5, o_w, 16, 5),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q7, o_w, 16, 7),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q9, o_w, 16, 9),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q11, o_w, 16, 11),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q13, o_w, 16, 13),
-                _kq(hks_ptr, o_pg, m_pg, stride_hksp, q15, o_w, 16, 15), 2, 4, 2, FAST,
-            )  # fmt: skip
+            b_e, b_o = tl.split(tl.reshape(b_qs, [NP, DW, 8, 2]))  # even lanes 2j, odd lanes 2j + 1
+            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_e)
+            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 2, FAST)
+            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_o)
+            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 2, 4, 2, FAST)
         b_s = tl.sum(b_sa, axis=2) + b_bias[:, None]  # [NP, PAGE]
         if USE_VALID:
             b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
@@ -515,11 +493,11 @@ def _codes_history_row1w(
                 # 4-bit codes 4 hi + lo: even fields (hi's bits moved up by 2) and odd fields (lo's moved down)
                 b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
                 b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, b_w3, 0, 4, 4, FAST)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, b_w3, 0, 4, 4, FAST)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
             else:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, b_w3, 0, 4, 2, FAST)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, b_w3, 2, 4, 2, FAST)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
     if not PAGE_MAX_ONLY:
         b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
         b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
@@ -528,22 +506,22 @@ def _codes_history_row1w(
         p_o = o_ptr + o_part * D + (o_g[:, None] * VW + o_u[None, :]) * 16  # [NG, VW]: lane 0 of each word
         b_z = tl.sum(b_az, axis=0)[:, None]
         b_ws = tl.sum(b_wsum, axis=0)[:, None]  # 0 unless FAST
-        _vstore(p_o, a0, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 2, a1, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 4, a2, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 6, a3, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 8, a4, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 10, a5, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 12, a6, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 14, a7, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 1, c0, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 3, c1, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 5, c2, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 7, c3, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 9, c4, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 11, c5, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 13, c6, b_ws, b_z, b_inv, VSC)
-        _vstore(p_o + 15, c7, b_ws, b_z, b_inv, VSC)
+        _vstore(p_o, a0, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 2, a1, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 4, a2, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 6, a3, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 8, a4, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 10, a5, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 12, a6, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 14, a7, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 1, c0, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 3, c1, b_ws, b_z, b_inv, VC1)
+        _vstore(p_o + 5, c2, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 7, c3, b_ws, b_z, b_inv, VC1)
+        _vstore(p_o + 9, c4, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 11, c5, b_ws, b_z, b_inv, VC1)
+        _vstore(p_o + 13, c6, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 15, c7, b_ws, b_z, b_inv, VC1)
         if COUNT:
             tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
