@@ -137,6 +137,11 @@ def _cast(view):
     return dataclasses.replace(view, **f)
 
 
+def _write(path, dev, rows):
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows), f)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm[,words]")
@@ -205,6 +210,8 @@ def main(argv=None):
                     row.update(us=ms * 1e3, tb_s=nbytes / ms / 1e9, bytes_read=int(nbytes), check_err=chk["err"])
                     rows.append(row)
             print(f"  timed in {time.time() - t1:.1f}s", flush=True)
+            if args.out:  # after every setting, so that a call stopped by its time limit keeps what it measured
+                _write(args.out, dev, rows)
     if args.baseline and dev == "cuda":
         for ctx in args.contexts:
             for b in args.batches:
@@ -222,11 +229,7 @@ def main(argv=None):
                                  tb_s=b * (ctx + 1) * 4 * E / ms / 1e9))  # fmt: skip
                 del kk, vv
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows),
-                f,
-            )
+        _write(args.out, dev, rows)
     cells = sorted({(r["context"], r["batch"]) for r in rows if "us" in r})
     keys = sorted({(r["config"], r["provider"]) for r in rows if "us" in r}, key=lambda k: (k[1], k[0]))
     print("us (TB/s) per config x provider; columns: " + ", ".join(f"{c}:{b}" for c, b in cells))
