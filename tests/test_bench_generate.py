@@ -27,3 +27,18 @@ def test_rows_for_every_mode_and_the_peer(shape, tmp_path, monkeypatch):
     peer = [r for r in rows if r["model"] != "looped"]
     assert [r["cache"] for r in peer] == ["dynamic"] and peer[0]["generated"] == 4
     assert all("warmup_s" in r for r in rows)
+
+
+def test_static_loopkv_rows(tmp_path, monkeypatch):
+    """`--caches kivi4 kivi4-share hand --modes eager static`: static LoopKV rows run and decode the growable cache's
+    tokens (micro shape, the presets' sink 32 and window 256: a 326-token prompt codes one page)."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_generate.main(["--shapes", "micro-ouro", "--caches", "kivi4", "kivi4-share", "hand", "--modes", "eager",
+                         "static", "--batches", "2", "--context", "330", "--new-tokens", "4", "--device", "cpu",
+                         "--dtype", "float32", "--out", "gen"])
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert {(r["cache"], r["mode"]) for r in rows} == {
+        (c, m) for c in ("kivi4", "kivi4-share", "hand") for m in ("eager", "static")
+    }
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["tokens_equal_eager"] for r in rows if r["mode"] == "static")

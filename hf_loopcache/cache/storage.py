@@ -22,12 +22,20 @@ def _grown(live: int, need: int, min_growth: int) -> int:
 
 
 def quantize_pages(
-    key: torch.Tensor, value: torch.Tensor, nbits: int, *, page_size: int, group_size: int, valid: torch.Tensor | None
+    key: torch.Tensor,
+    value: torch.Tensor,
+    nbits: int,
+    *,
+    page_size: int,
+    group_size: int,
+    valid: torch.Tensor | None,
+    check_finite: bool = True,
 ) -> tuple[QuantizedKeys, QuantizedValues]:
     """Codes of whole pages `[B, H, n * page_size, D]` (the flush and on-demand coding both go through here): keys per
-    channel over pages (padding left out of each page's min/max), values per token in channel groups."""
-    qk = quantize_keys(key, nbits, group_size=page_size, valid=valid)
-    qv = quantize_values(value, nbits, group_size=group_size)
+    channel over pages (padding left out of each page's min/max), values per token in channel groups.
+    `check_finite=False` skips the finite check of the scales (a host read; a static cell's captured flush)."""
+    qk = quantize_keys(key, nbits, group_size=page_size, valid=valid, check_finite=check_finite)
+    qv = quantize_values(value, nbits, group_size=group_size, check_finite=check_finite)
     return qk, qv
 
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULES = [
     "tests/ops/test_quant_kernels.py",
     "tests/ops/test_coded_attention_kernels.py",
+    "tests/ops/test_coded_attention_static.py",
     "tests/ops/test_fused_kernels.py",
 ]
 

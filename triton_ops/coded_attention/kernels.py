@@ -551,14 +551,21 @@ def _attend_dense(
     USE_VALID: tl.constexpr,
     IEEE: tl.constexpr,
     MAX_ONLY: tl.constexpr,
+    RING: tl.constexpr = False,
 ):
     """Online softmax over a dense segment of `length` positions `pos0 ..`; row r sees `b_lo[r] <= pos < b_hi[r]`
-    (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed)."""
+    (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed).
+    `RING`: the segment is a ring of `length` slots holding the positions below `pos0` (slot `c` holds
+    `pos0 - 1 - ((pos0 - 1 - c) mod length)`; slots of negative positions are not read)."""
     o_d = tl.arange(0, D)
     for t0 in range(0, length, BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
         m_t = o_t < length
-        o_pos = pos0 + o_t
+        if RING:
+            o_pos = pos0 - 1 - ((pos0 - 1 - o_t + length) % length)
+            m_t = m_t & (o_pos >= 0)
+        else:
+            o_pos = pos0 + o_t
         b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + o_d[None, :], mask=m_t[:, None], other=0.0)  # [BT, D]
         b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale  # [BR, BT]
         m_vis = m_t[None, :] & m_row[:, None] & (o_pos[None, :] >= b_lo[:, None]) & (o_pos[None, :] < b_hi[:, None])
@@ -583,6 +590,7 @@ def _coded_attention_fwd_kernel(
     pmax_ptr,
     bound_ptr,
     valid_ptr,
+    len_ptr,  # DEV_LEN: the cached length, read on the device (else `n_start`)
     # sink [B, H_kv, S, D], window [B, H_kv, W, D] (positions w_start ..), new [B, H_kv, Q, D] (positions n_start ..)
     sk_ptr,
     sv_ptr,
@@ -665,8 +673,13 @@ def _coded_attention_fwd_kernel(
     ROW1: tl.constexpr = False,
     NP: tl.constexpr = 4,
     WORDS: tl.constexpr = False,
+    DEV_LEN: tl.constexpr = False,
 ):
+    # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
+    # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    if DEV_LEN:
+        n_start = tl.load(len_ptr).to(tl.int32)
     i_b, i_hk = i_bh // H_KV, i_bh % H_KV
     R = G * Q
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # row = g * Q + i
@@ -686,13 +699,15 @@ def _coded_attention_fwd_kernel(
         # the dense tail: sink (padding only), window (positions >= bound), new tokens (causal)
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
-            sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero, b_zero + S, b_own,
-            m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+            sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
+            b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
+            IEEE, False,
         )  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
-            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_start, b_bound,
-            b_zero + w_start + W, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W,
+            n_start if DEV_LEN else w_start, b_bound, b_zero + (n_start if DEV_LEN else w_start + W), b_own, m_row,
+            p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False, DEV_LEN,
         )  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,
@@ -702,8 +717,10 @@ def _coded_attention_fwd_kernel(
         _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
     else:
         p_begin = i_s * pages_per_split
-        p_end = tl.minimum(p_begin + pages_per_split, n_pages)
         b_nh = b_bound - hist_start  # history tokens row r reads
+        # pages any row of the block reads: a program past them exits at once (its partial reads nothing)
+        n_live = (tl.maximum(tl.max(tl.where(m_row, b_nh, 0), axis=0), 0) + PAGE - 1) // PAGE
+        p_end = tl.minimum(tl.minimum(p_begin + pages_per_split, n_pages), n_live)
         if COUNT:
             b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
             b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -711,14 +728,16 @@ def _coded_attention_fwd_kernel(
             # running max seed: the sink maximum, then the page maxima of the earlier splits
             b_run, b_unused, b_acc = _attend_dense(
                 b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
-                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero, b_zero + S,
-                b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, True,
+                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
+                b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
+                IEEE, True,
             )  # fmt: skip
             if READ_PREFIX:
                 p_pm = pmax_ptr + (i_bh * (G * Q) + o_r)[:, None] * n_pages
-                for pm0 in range(0, p_begin, BLOCK_PM):
+                p_seen = tl.minimum(p_begin, n_live)  # page maxima written by the earlier splits
+                for pm0 in range(0, p_seen, BLOCK_PM):
                     o_p = pm0 + tl.arange(0, BLOCK_PM)
-                    m_p = m_row[:, None] & (o_p < p_begin)[None, :]
+                    m_p = m_row[:, None] & (o_p < p_seen)[None, :]
                     b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"))
                     b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
         o_t0 = tl.arange(0, PAGE)

@@ -73,9 +73,10 @@ def _coded_attention_fwd(
     n_rblocks = -(-rows // block_r)
     dev = query.device
     dummy = new_k
+    static = view.device_lengths  # a static cache's step: lengths on the device, shapes fixed
     s_len = view.sink_length
     sk, sv = (view.sink_key, view.sink_value) if s_len else (dummy, dummy)
-    w_len = view.length - view.window_start
+    w_len = view.ring_capacity if static else view.length - view.window_start
     wk, wv = (view.window_key, view.window_value) if w_len else (dummy, dummy)
     hk_, hv_ = view.history_key, view.history_value
     fmt = view.history_nbits or 0
@@ -88,7 +89,11 @@ def _coded_attention_fwd(
         hk, hks, hkz = (hk_, None, None) if hk_ is not None else (dummy, None, None)
         hv, hvl, hvs, hvz = (hv_, None, None, None) if hv_ is not None else (dummy, None, None, None)
     # history positions any query may read: [S, min(S + T_hist, length))
-    hist_tokens = max(0, min(view.history_length, view.length - view.history_start))
+    # (static: every preallocated page; programs past the pages the bounds reach exit early)
+    if static:
+        hist_tokens = view.history_length
+    else:
+        hist_tokens = max(0, min(view.history_length, view.length - view.history_start))
     n_pages = -(-hist_tokens // page)
     base = b * hkv * n_rblocks
     use_vprec = v_precision_tau is not None and fmt == 4
@@ -136,6 +141,7 @@ def _coded_attention_fwd(
             pmax_ptr=pmax,
             bound_ptr=bound,
             valid_ptr=valid,
+            len_ptr=view.length if static else bound,
             sk_ptr=sk,
             sv_ptr=sv,
             wk_ptr=wk,
@@ -172,8 +178,8 @@ def _coded_attention_fwd(
             Q=q_len,
             S=s_len,
             W=w_len,
-            w_start=view.window_start,
-            n_start=view.length,
+            w_start=0 if static else view.window_start,
+            n_start=0 if static else view.length,
             hist_start=view.history_start,
             n_pages=n_pages,
             pages_per_split=max(pps, 1),
@@ -196,6 +202,7 @@ def _coded_attention_fwd(
             ROW1=row1,
             NP=tune["pages"],
             WORDS=words,
+            DEV_LEN=static,
         )
 
     launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]} if row1 else {}
@@ -265,6 +272,12 @@ def coded_attention(
     not a power of two >= 16, fp64), the reference. The kernel path reads every view tensor in place through its
     strides (no `.contiguous()`, no decoded copy) and never reads a value back to the host, so it does not re-check
     `history_end` against the view (the reference does).
+
+    With device-side lengths (`view.length` a device tensor: a static cache's decode step), the launch grid is sized
+    for every preallocated page and the split programs past the pages the bounds reach exit at once (the merge weighs
+    their empty partials by zero); the sink and the ring window are masked by the device length. Every launch then
+    has the same grid, arguments and addresses from step to step, so a CUDA graph can replay it; neither path reads a
+    device value on the host.
 
     Args:
         query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens, in the view's dtype; `H_q` a
