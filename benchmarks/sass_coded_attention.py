@@ -87,15 +87,16 @@ def instructions(sass: str):
 
 
 def hottest_loop(ins):
-    """The instructions of the largest loop: the backward branch that spans the most instructions."""
-    best = None
+    """The instructions of the code loop: of the loops (backward branches), the one with the most LOP3 + FFMA (the
+    field extraction and the multiply-adds; the dense tail's loops use HMMA)."""
+    best, best_n = None, -1
     for addr, op, args in ins:
-        if op.startswith("BRA"):
-            m = re.search(r"0x([0-9a-f]+)", args)
-            if m and int(m.group(1), 16) < addr:
-                span = (int(m.group(1), 16), addr)
-                if best is None or span[1] - span[0] > best[1] - best[0]:
-                    best = span
+        m = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            n = sum(1 for a, o, _ in ins if lo <= a <= addr and o.startswith(("LOP3", "FFMA")))
+            if n > best_n:
+                best, best_n = (lo, addr), n
     if best is None:
         return []
     return [x for x in ins if best[0] <= x[0] <= best[1]]

@@ -239,12 +239,36 @@ def test_kernel_matches_reference(case, dtype):
 ROW1_CASES = [c for c in CPU_CASES if c.Hq == c.Hkv and c.Q == 1 and c.fmt]
 
 
+ROW1_SETTINGS = {"v3-bytes-np2": {"words": False, "pages": 2}, "v4-words-np2": {"words": True, "pages": 2}}
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in ROW1_CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("pages", [1, 2], ids=["np1", "np2"])
-def test_word_path_matches_reference(case, dtype, pages):
-    """v4: the one-row path reading codes as 32-bit words, the next step's tiles loaded ahead (`ROW1_TUNING` words)."""
-    _check(case, dtype, tuning={"words": True, "pages": pages})
+@pytest.mark.parametrize("setting", list(ROW1_SETTINGS))
+def test_row1_settings_match_reference(case, dtype, setting):
+    """The one-row path in its other `ROW1_TUNING` settings (the cases above run the default, v4 words with one page
+    per step): v3's byte reads, and v4 with two pages per step (the next step's tiles loaded ahead)."""
+    _check(case, dtype, tuning=ROW1_SETTINGS[setting])
+
+
+def test_word_path_falls_back_to_bytes_on_unaligned_codes():
+    """Codes whose token stride is not a multiple of 4 bytes cannot be read as 32-bit words: the launcher takes the
+    byte path (reading them as words would mix rows)."""
+    data = _build(Case(hist=100, Hq=2, Hkv=2, vprec=False, lean=0.3), torch.float32)
+    qk, qv = data["history"]
+
+    def pad(t):  # the same bytes, rows 2 bytes apart more (a token stride of 18 / 10 bytes)
+        big = torch.zeros(*t.shape[:-1], t.shape[-1] + 2, dtype=t.dtype)
+        big[..., : t.shape[-1]] = t
+        return big[..., : t.shape[-1]]
+
+    data["history"] = (
+        naive.QuantizedKeys(pad(qk.codes), qk.scale, qk.zero, qk.nbits, qk.group_size),
+        naive.QuantizedValues(pad(qv.hi), pad(qv.lo), qv.scale, qv.zero, qv.nbits, qv.group_size),
+    )
+    ref, _ = _reference(data)
+    out, _ = _run_kernel(data, tuning={"words": True})
+    assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
 
 
 def test_v_precision_is_applied():
@@ -341,9 +365,9 @@ def test_kernel_matches_reference_gpu(case, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_SWEEP if c.fmt] + [GPU_SPECIAL[3]])
-@pytest.mark.parametrize("pages", [1, 2], ids=["np1", "np2"])
-def test_word_path_gpu_sweep(case, pages):
-    _check(case, torch.bfloat16, tuning={"words": True, "pages": pages})
+@pytest.mark.parametrize("setting", list(ROW1_SETTINGS))
+def test_row1_settings_gpu_sweep(case, setting):
+    _check(case, torch.bfloat16, tuning=ROW1_SETTINGS[setting])
 
 
 def test_kernel_refuses_shapes_it_cannot_take():

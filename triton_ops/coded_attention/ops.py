@@ -32,11 +32,13 @@ __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
 
-ROW1_TUNING = {"enabled": True, "pages": 2, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": False}
+ROW1_TUNING = {"enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True}
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
 device, and `words`: read codes as 32-bit words with the next step's tiles loaded ahead (`kernels._codes_history_row1w`,
-v4) instead of bytes (v3) (H200 sweeps: `benchmarks/notes_coded_attention.md`)."""
+v4) instead of bytes (v3). v4 default: words, 1 page per step, 2 warps (fewest SASS instructions per code element for
+sm_90: 4.4 against v3's 7.0 with bytes, 2 pages, 2 warps, which `{"words": False, "pages": 2}` restores; H200 sweeps
+and counts: `benchmarks/notes_coded_attention.md`)."""
 
 
 @functools.cache
