@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                     row.update(graph_ms=gms[0], graph_ms_p20=gms[1], graph_ms_p80=gms[2], graph_tb_s=nbytes / gms[0] / 1e9)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            write_rows(args.out, rows)  # after every cell, so that a run stopped by a time limit keeps its rows
     # the flush: quantize one page of one cell's keys and values (Triton), per batch
     for b in args.batches:
         kp, vp = k_hist[:b, :, :PAGE], v_hist[:b, :, :PAGE]
