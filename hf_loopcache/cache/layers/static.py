@@ -335,6 +335,10 @@ class StaticSharedLayer(_StaticStorage):
     """
 
     is_compileable = True
+    #: build the static shared cells of RIPE plans as `StaticCodedSharedLayer`s instead (`coded_attention` reading the
+    #: source's BF16 storage in place, no copy), as plans with a sink always are; this class's SDPA read concatenates
+    #: the source and the ring, a copy of the source's keys and values per cell and step
+    read_in_place = False
 
     def __init__(self, source: StaticDenseLayer, *, window: int, page_size: int, capacity: int, max_batch_size: int):
         super().__init__()
