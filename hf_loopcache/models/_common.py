@@ -14,6 +14,7 @@ from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProc
 
 from hf_loopcache._compat import CACHE_KWARG, generate_cache, generate_cache_kwargs
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
+from triton_ops import fused
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -36,10 +37,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, *, add_before: torch.Tensor | None = None, add_after: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`add_after + norm(x + add_before)`: a layer's residual folded into the norm's one kernel on CUDA
+        (`triton_ops.fused.rms_norm`; the eager math op for op elsewhere)."""
+        return fused.rms_norm(x, self.weight, self.eps, add_before=add_before, add_after=add_after)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

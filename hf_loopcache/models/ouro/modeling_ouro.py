@@ -37,13 +37,9 @@ from hf_loopcache.models._common import (
     default_cache,
 )
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
+from triton_ops import fused
 
 __all__ = ["OuroForCausalLM", "OuroModel", "OuroModelOutput", "OuroPreTrainedModel"]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class OuroRotaryEmbedding(nn.Module):
@@ -72,8 +68,11 @@ class OuroMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act == "silu":  # one kernel on CUDA (`triton_ops.fused`)
+            return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -93,12 +92,12 @@ class OuroAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
-        query = self.q_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        key = self.k_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        query = self.q_proj(x).view(b, q_len, -1, self.head_dim)
+        key = self.k_proj(x).view(b, q_len, -1, self.head_dim)
         value = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope[0][:, None].to(query.dtype), rope[1][:, None].to(query.dtype)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        cos, sin = rope[0].to(query.dtype), rope[1].to(query.dtype)
+        query = fused.rotate_half(query, cos, sin).transpose(1, 2)
+        key = fused.rotate_half(key, cos, sin).transpose(1, 2)
         out = state.attend(slot, query, key, value)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -116,8 +115,8 @@ class OuroDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+        x = self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot), add_after=x)
+        return self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)), add_after=x)
 
 
 class OuroPreTrainedModel(PreTrainedModel):
