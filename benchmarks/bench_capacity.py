@@ -6,7 +6,9 @@ For each shape x context x cache (the caches of `bench_generate.CACHES`):
    with a fresh cache. It gives the stored bytes per row at the context (`cache.stored_bytes()`, measured; the plan's
    byte model beside it) and the **workspace**: the probe's peak minus the weights and the bytes stored (activations,
    logits, allocator rounding: the memory a generate needs beyond what the cache keeps);
-2. the **prediction**: `floor((budget - weights - workspace) / (stored bytes per token x context))`;
+2. the **prediction**: `floor((budget - weights - workspace) / (stored bytes per token x context))` (the workspace
+   stated as a constant), and beside it the other bracket, `floor((budget - weights) / (stored bytes per row +
+   workspace))` (all of it per row: a one-pass exact prefill holds one layer call's activations of every row's prompt);
 3. the **search**: probes at batch b (each a fresh cache; out-of-memory caught as `torch.OutOfMemoryError`; cache,
    outputs and the allocator's cache freed between probes), from the prediction, then up or down by steps that
    double (an eighth of the prediction first), then bisection until the gap between the largest batch that fits
@@ -272,6 +274,8 @@ def run_cache(
     row["workspace_gib"] = round(workspace / GIB, 3)
     predicted = max(0, math.floor((budget_bytes - weights_bytes - workspace) / stored_row))
     row["predicted_batch"] = predicted
+    # the other bracket: the whole batch-1 workspace counted per row (activations of a one-pass prefill grow with it)
+    row["predicted_batch_workspace_per_row"] = max(0, math.floor((budget_bytes - weights_bytes) / (stored_row + workspace)))
     largest, probes = search(
         lambda b: probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit),
         max(1, predicted),

@@ -33,6 +33,7 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
+    by_token_chunks,
     check_num_loops,
     default_cache,
 )
@@ -116,7 +117,9 @@ class OuroDecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         x = self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot), add_after=x)
-        return self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)), add_after=x)
+        return by_token_chunks(
+            lambda h: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)), add_after=h), x
+        )
 
 
 class OuroPreTrainedModel(PreTrainedModel):
