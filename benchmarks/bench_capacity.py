@@ -21,15 +21,23 @@ The budget is the GPU's memory (`--budget-gib`, default its total), enforced wit
 Peaks are `torch.cuda.max_memory_allocated` (reset per probe); on CPU (micro shapes: the benchmark's own check) the
 live tensor bytes of `benchmarks.memtrack.LiveBytes`, a peak above the budget counting as out of memory. Each row also reports a straight-line fit of peak against batch over the probes
 that fit (`fit_fixed_gib`, `fit_per_row_gib`): the per-row slope minus the stored bytes per row is the transient
-that grows with the batch. Rows are written as they finish (`benchmarks/results/<out>.json`); `--deadline-s` stops
-before a probe would start past it, keeping what finished. Huginn runs with `init_scale=0.0`.
+that grows with the batch. The result file (`benchmarks/results/<out>.json`) is rewritten after every probe (the row
+in progress marked so); `--deadline-s` starts no probe that would end past it (its time estimated from the slowest
+seconds per row so far), so a run stops cleanly with what finished. Huginn runs with `init_scale=0.0`.
 
-Run on one H200 (times estimated, not measured: a probe costs about its prefill, `batch x context` tokens):
+Run on one H200 (a probe costs about its prefill, `batch x context` tokens; a stated budget below the GPU's memory
+makes the batches, and so the probes, smaller while measured / predicted stays the quantity of interest). Estimated,
+not measured: about 4-5 min for the first, 5-6 for the second, 4-5 for the third (`--deadline-s` bounds each):
 
-    python -m benchmarks.run capacity --shapes ouro-1.4b --contexts 8192 --out capacity_ouro_8k --deadline-s 540
-    python -m benchmarks.run capacity --shapes huginn-0125 --contexts 8192 --out capacity_huginn_8k --deadline-s 540
+    python -m benchmarks.run capacity --shapes ouro-1.4b --contexts 8192 --budget-gib 48 --resolution 0.1 \
+        --max-probes 5 --deadline-s 500 --out capacity_ouro_8k
+    python -m benchmarks.run capacity --shapes ouro-1.4b --contexts 32768 --budget-gib 48 --resolution 0.1 \
+        --max-probes 5 --deadline-s 500 --out capacity_ouro_32k
+    python -m benchmarks.run capacity --shapes huginn-0125 --caches full ripe64 --contexts 8192 --budget-gib 64 \
+        --resolution 0.1 --max-probes 4 --deadline-s 500 --out capacity_huginn_8k
 
-and the same with `--contexts 32768` (a Huginn-0125 batch-1 32K probe of the full cache needs 91 GB of KV).
+On CPU (micro shapes, the budget emulated): `--shapes micro-ouro --device cpu --dtype float32 --budget-gib 0.03
+--contexts 512`.
 """
 
 from __future__ import annotations
@@ -156,19 +164,20 @@ def search(
     *,
     resolution: float = 0.03,
     max_probes: int = 12,
-    out_of_time: Callable[[], bool] = lambda: False,
+    out_of_time: Callable[[int], bool] = lambda batch: False,
     known: dict[int, dict] | None = None,
 ) -> tuple[int, list[dict]]:
     """The largest batch for which `try_batch(b)["status"] == "ok"`, from `start`: up (or down) by steps that double,
     from an eighth of `start`, until the other side is found; then bisection until `hi - lo <= resolution * lo`
     (`hi` the smallest batch seen failing). `known` holds probes already made (batch -> record). Returns the largest
-    batch that fit (0 if none) and the probes made, in order. Stops early after `max_probes` or when `out_of_time()`."""
+    batch that fit (0 if none) and the probes made, in order. Stops early after `max_probes` or when
+    `out_of_time(batch)` says a probe at `batch` would end past the deadline."""
     seen: dict[int, dict] = dict(known or {})
     probes: list[dict] = []
 
     def ok(b: int) -> bool | None:
         if b not in seen:
-            if len(probes) >= max_probes or out_of_time():
+            if len(probes) >= max_probes or out_of_time(b):
                 return None
             seen[b] = try_batch(b)
             probes.append(seen[b])
@@ -239,9 +248,12 @@ def run_cache(
     device: str,
     resolution: float = 0.03,
     max_probes: int = 12,
-    out_of_time: Callable[[], bool] = lambda: False,
+    out_of_time: Callable[[float], bool] = lambda seconds: False,
+    progress: Callable[[dict], None] = lambda row: None,
 ) -> dict:
-    """One row: the batch-1 probe, the prediction, the search, the largest batch and its decode tok/s."""
+    """One row: the batch-1 probe, the prediction, the search, the largest batch and its decode tok/s.
+    `out_of_time(seconds)` says whether work expected to take `seconds` would end past the deadline (a probe's time
+    is estimated from the slowest seconds per row seen so far); `progress(row)` gets the row after every probe."""
     row: dict[str, Any] = {
         "shape": shape,
         "cache": cache_name,
@@ -258,7 +270,7 @@ def run_cache(
         plan.expected_stored_bytes(context) / context * next(model.parameters()).element_size()
         / plan.layout.bytes_per_element, 1
     )
-    if out_of_time():
+    if out_of_time(0.0):
         row["status"] = "deadline"
         return row
     limit = budget_bytes - weights_bytes
@@ -276,20 +288,34 @@ def run_cache(
     row["predicted_batch"] = predicted
     # the other bracket: the whole batch-1 workspace counted per row (activations of a one-pass prefill grow with it)
     row["predicted_batch_workspace_per_row"] = max(0, math.floor((budget_bytes - weights_bytes) / (stored_row + workspace)))
-    largest, probes = search(
-        lambda b: probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit),
-        max(1, predicted),
-        resolution=resolution,
-        max_probes=max_probes,
-        out_of_time=out_of_time,
-        known={1: one},
+    row["probes"] = [one]
+    rate = [one["seconds"]]  # seconds per row, the slowest seen
+
+    def try_batch(b: int) -> dict:
+        record = probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit)
+        rate[0] = max(rate[0], record["seconds"] / b)
+        row["probes"].append(record)
+        progress(row)
+        return record
+
+    cut = []
+
+    def late(b: int) -> bool:
+        if out_of_time(b * rate[0]):
+            cut.append(b)
+            return True
+        return False
+
+    largest, _ = search(
+        try_batch, max(1, predicted), resolution=resolution, max_probes=max_probes, out_of_time=late, known={1: one}
     )
-    probes = [one, *probes]
+    probes = row.pop("probes")
     fits = [p for p in probes if p["status"] == "ok"]
     fails = [p["batch"] for p in probes if p["status"] != "ok"]
     best = max(fits, key=lambda p: p["batch"])
+    largest = max(largest, best["batch"])  # a search cut short before its first probe still has batch 1
     row.update(
-        status="ok" if not out_of_time() else "deadline (search cut short)",
+        status="ok" if not cut else f"deadline: the search stopped before a probe at batch {cut[0]}",
         largest_batch=largest,
         smallest_failing_batch=min(fails) if fails else None,
         measured_over_predicted=round(largest / predicted, 3) if predicted else None,
@@ -324,8 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device
     t0 = time.perf_counter()
 
-    def out_of_time() -> bool:
-        return args.deadline_s is not None and time.perf_counter() - t0 > args.deadline_s
+    def out_of_time(seconds: float = 0.0) -> bool:
+        return args.deadline_s is not None and time.perf_counter() - t0 + seconds > args.deadline_s
 
     if device.startswith("cuda"):
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
@@ -356,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
                     model, shape, cache_name, context, budget_bytes=budget, weights_bytes=weights,
                     new_tokens=args.new_tokens, device=device, resolution=args.resolution,
                     max_probes=args.max_probes, out_of_time=out_of_time,
+                    progress=lambda partial: write_rows(args.out, [*rows, {**partial, "status": "in progress"}]),
                 )
                 row["elapsed_s"] = round(time.perf_counter() - t0, 1)
                 brief = {k: v for k, v in row.items() if k not in ("probes", "probe_batch_1")}

@@ -47,7 +47,7 @@ def test_search_stops_at_the_resolution_the_probe_limit_and_the_deadline():
     largest, probes = search(_fits_up_to(1000, calls), 100, resolution=0.0, max_probes=3)
     assert len(probes) == 3 and largest == max(b for b in calls if b <= 1000)
     calls = []
-    assert search(_fits_up_to(1000, calls), 100, out_of_time=lambda: True) == (0, [])
+    assert search(_fits_up_to(1000, calls), 100, out_of_time=lambda b: True) == (0, [])
     assert search(_fits_up_to(9, calls), 4, known={4: {"batch": 4, "status": "ok"}})[0] == 9
     assert 4 not in calls  # a known probe is not repeated
 
@@ -76,6 +76,13 @@ def test_a_row_on_a_micro_model_with_out_of_memory_above_a_batch(monkeypatch):
     assert row["stored_bytes_per_token"] == pytest.approx(row["stored_bytes_per_token_model"], rel=0.25)
     assert row["decode_tokens_per_s_at_largest"] > 0
     assert row["fit_per_row_gib"] is not None
+    written: list[dict] = []
+    late = run_cache(
+        model, "micro-ouro", "full", 96, budget_bytes=2**30, weights_bytes=0, new_tokens=4, device="cpu",
+        out_of_time=lambda seconds: seconds > 0, progress=written.append,
+    )  # no time for a probe after batch 1's: the row says so and keeps batch 1
+    assert late["largest_batch"] == 1 and late["status"].startswith("deadline: the search stopped before a probe")
+    assert [p["batch"] for p in late["probes"]] == [1] and written == []
 
 
 def test_command_line_writes_rows_and_names_bad_arguments(tmp_path, monkeypatch, capsys):
