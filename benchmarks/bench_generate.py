@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--caches", nargs="+", default=["full"], choices=sorted(CACHES), help="looped-model caches")
     parser.add_argument("--peers", nargs="*", default=[], choices=PEERS, help="transformers caches on the plain peer")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="batch sizes")
-    parser.add_argument("--context", type=int, default=8192, help="prompt + new tokens")
+    parser.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt + new tokens (one or more)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
     parser.add_argument("--out", default="generate", help="result file name under benchmarks/results/")
@@ -270,10 +270,10 @@ def main(argv: list[str] | None = None) -> None:
         extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
         model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches:
-            for batch in args.batches:
+            for context, batch in itertools.product(args.context, args.batches):
                 for mode, on in itertools.product(modes, args.fused):
                     with contextlib.nullcontext() if on == "on" else fused.disabled():
-                        row = run_one(model, shape, cache_name, batch, args.context, args.new_tokens, device,
+                        row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
                                       count_kernels=args.count_kernels, mode=mode, reference=reference,
                                       fused_ops=on == "on")
                     print(row, flush=True)
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             reset_peak(device)
             peer.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0)
             for name in args.peers:
-                for batch in args.batches:
-                    row = run_one(peer, shape, name, batch, args.context, args.new_tokens, device, peer=True,
+                for context, batch in itertools.product(args.context, args.batches):
+                    row = run_one(peer, shape, name, batch, context, args.new_tokens, device, peer=True,
                                   count_kernels=args.count_kernels)
                     print(row, flush=True)
                     rows.append(row)
