@@ -166,7 +166,8 @@ class LoopCache(Cache):
         if option == "share":
             if source is None:
                 raise ValueError(f"cell {cell} shares, but no source cell was given")
-            if self.static and (self.plan.sink or not isinstance(source, StaticDenseLayer)):
+            in_place = StaticSharedLayer.read_in_place
+            if self.static and (self.plan.sink or not isinstance(source, StaticDenseLayer) or in_place):
                 return StaticCodedSharedLayer(source, **static_sizes)  # type: ignore[arg-type]
             if self.static:
                 return StaticSharedLayer(

@@ -32,10 +32,13 @@ __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
 
-ROW1_TUNING = {"enabled": True, "pages": 2, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8}
+ROW1_TUNING = {"enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True}
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
-software-pipelining depth, and the programs per SM the split count aims at when the batch alone does not fill the
-device (H200 sweep: `benchmarks/notes_coded_attention.md`, v3)."""
+software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
+device, and `words`: read codes as 32-bit words with the next step's tiles loaded ahead (`kernels._codes_history_row1w`,
+v4) instead of bytes (v3). v4 default: words, 1 page per step, 2 warps (fewest SASS instructions per code element for
+sm_90: 4.4 against v3's 7.0 with bytes, 2 pages, 2 warps, which `{"words": False, "pages": 2}` restores; H200 sweeps
+and counts: `benchmarks/notes_coded_attention.md`)."""
 
 
 @functools.cache
@@ -102,6 +105,11 @@ def _coded_attention_fwd(
     n_groups = d // vgroup if fmt else 0
     row1 = bool(fmt) and rows == 1 and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
     row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"])
+    # v4: codes read as 32-bit words (value groups of 16k channels; every code tensor 4-byte aligned in all dims)
+    words = row1 and bool(tune.get("words")) and vgroup % 16 == 0 and not (vgroup // 16) & (vgroup // 16 - 1)
+    if words:
+        code_ts = [hk, hv] + ([hvl] if hvl is not None else [])
+        words = all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in code_ts)
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
     if n_pages == 0:
         ns = 0
@@ -195,6 +203,7 @@ def _coded_attention_fwd(
             IEEE=query.dtype == torch.float32,
             ROW1=row1,
             NP=tune["pages"],
+            WORDS=words,
             DEV_LEN=static,
         )
 

@@ -39,6 +39,7 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
+    by_token_chunks,
     check_num_loops,
     default_cache,
 )
@@ -78,6 +79,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(b, q_len, self.n_kv_heads, self.head_dim)
         q_bias, k_bias = self.qk_bias.split(1, dim=0) if hasattr(self, "qk_bias") else (None, None)
         q, k = fused.rotate_pairs(q, *rope, bias=q_bias), fused.rotate_pairs(k, *rope, bias=k_bias)
+        if q_len > 1:  # own the values, so the fused projection's output (3 hidden states a token) is freed here
+            v = v.contiguous()
         y = state.attend(slot, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(y.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -108,7 +111,7 @@ class SandwichBlock(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         x = self.norm_2(self.attn(self.norm_1(x), rope, state, slot), add_before=x)
-        return self.norm_4(self.mlp(self.norm_3(x)), add_before=x)
+        return by_token_chunks(lambda h: self.norm_4(self.mlp(self.norm_3(h)), add_before=h), x)
 
 
 class HuginnPreTrainedModel(PreTrainedModel):
