@@ -61,6 +61,8 @@ class AttentionInputs:
         static_mask (`torch.BoolTensor` of shape `[B, 1, q, max_cache_len]`, *optional*): with a static cache, the
             visibility of every storage position to the new tokens (`static_mask(positions, static_valid)`).
         length (`int`, *optional*): with a static cache, the positions it held before this forward (host side).
+        source_length (`torch.LongTensor` of shape `[1]`, *optional*): with a static cache, the positions its final
+            loop's cells hold, on the device (what a partial-depth draft's shared cells may read from their sources).
     """
 
     key_valid: torch.Tensor | None
@@ -69,6 +71,7 @@ class AttentionInputs:
     static_valid: torch.Tensor | None = None
     static_mask: torch.Tensor | None = None
     length: int | None = None
+    source_length: torch.Tensor | None = None
 
 
 @runtime_checkable

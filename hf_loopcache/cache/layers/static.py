@@ -390,7 +390,13 @@ class StaticSharedLayer(_StaticStorage):
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
         valid = read.static_valid[: self.rows]  # type: ignore[index]
         # what the source holds: all `length` positions in a complete forward (written later in it), else its own
-        src_limit = positions[:1] if read.complete else min(length, self.source.length)
+        # (in a draft: the cache's device-side final-loop length, so a captured draft reads no host length)
+        if read.complete:
+            src_limit = positions[:1]
+        elif read.source_length is not None:
+            src_limit = read.source_length
+        else:
+            src_limit = min(length, self.source.length)
         return self._read(query, positions, valid, src_limit, read)
 
     def _masks(self, positions, valid, src_limit) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,7 +431,7 @@ class StaticSharedLayer(_StaticStorage):
         sk, sv = self.source._views()
         rk, rv = self._views()
         groups = query.shape[1] // rk.shape[1]
-        where = src_limit if isinstance(src_limit, int) else "complete"
+        where = src_limit if isinstance(src_limit, int) else ("complete" if read.complete else "draft")
         key = ("static-shared", self.window, self.page, self.capacity, where)
         masks = read.memo.get(key)
         if masks is None:
