@@ -122,6 +122,7 @@ class LoopCache(Cache):
         self._length_t: torch.Tensor | None = None  # static: positions held, on the device (advanced in the step)
         self._valid_t: torch.Tensor | None = None  # static: key validity [max_batch_size, max_cache_len]
         self._source_length_t: torch.Tensor | None = None  # static: positions the final loop holds [1], on the device
+        self._own_start_t: torch.Tensor | None = None  # static: first position every ring is read from, on the device
         self._graphs: dict[Any, Any] = {}  # static: captured decode steps (see `hf_loopcache.models._graphs`)
         self._graph_pool: Any = None  # static: the memory pool the captured steps share
         self.plan = plan
@@ -163,6 +164,7 @@ class LoopCache(Cache):
                     page_size=self.plan.page_size,
                     capacity=ring_capacity(self.plan.window, self.plan.page_size, self.max_rollback),
                     max_batch_size=self.max_batch_size,  # type: ignore[arg-type]
+                    own_start_on_device=False,  # the cache's one `_own_start_t` serves every ring (one fill a rollback)
                 )
             return SharedLayer(source, **sizes)
         return CodedLayer(4 if option == "int4" else 2, group_size=self.plan.group_size, **sizes)
@@ -239,6 +241,7 @@ class LoopCache(Cache):
                     static_mask=to(inputs.static_mask, where),
                     length=inputs.length,
                     source_length=to(inputs.source_length, where),
+                    own_start=to(inputs.own_start, where),
                 )
         return states[str(device)]
 
@@ -356,6 +359,7 @@ class LoopCache(Cache):
             self._length_t = torch.zeros((), dtype=torch.long, device=device)
             self._valid_t = torch.zeros(self.max_batch_size, self.max_cache_len, dtype=torch.bool, device=device)  # type: ignore[arg-type]
             self._source_length_t = torch.zeros(1, dtype=torch.long, device=device)
+            self._own_start_t = torch.zeros((), dtype=torch.long, device=device)
             self._sync_device_length()
         length, q = self.get_seq_length(), query_length
         if length + q > self.max_cache_len:  # type: ignore[operator]
@@ -404,6 +408,7 @@ class LoopCache(Cache):
             static_mask=static_mask(positions, valid) if length > 0 else None,
             length=length,
             source_length=self._source_length_t,
+            own_start=self._own_start_t,
         )
         return inputs, position_ids
 
@@ -437,6 +442,9 @@ class LoopCache(Cache):
         if self._source_length_t is not None:
             last = self.layout.num_loops - 1
             self._source_length_t.fill_(min(self.layer_for(cell).length for cell in self.layout.core_cells(last)))
+        if self._own_start_t is not None:
+            rings = [layer.own_start for layer in self.cells if isinstance(layer, StaticSharedLayer)]
+            self._own_start_t.fill_(max(rings, default=0))  # equal after a rollback; the larger is the safe one
 
     def write_key_valid(self, start: int, valid: torch.Tensor) -> None:
         """A static cache's key validity of positions `[start, start + n)` per row, `valid` `[B, n]` bool on the
@@ -519,6 +527,7 @@ class LoopCache(Cache):
                 if capacity != layer.capacity:
                     layer.resize(capacity)
                     self._graphs.clear()  # the captured steps read the old rings
+        self._sync_device_length()
 
     def reserve(self, max_length: int) -> None:
         """Allocate every empty cell's storage for `max_length` positions at its first write (full-precision buffers,

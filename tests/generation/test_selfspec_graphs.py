@@ -213,3 +213,27 @@ def test_a_replayed_draft_advances_only_the_cells_it_writes(monkeypatch, arch):
     assert next(iter(cache._graphs.values())).graph.replays == 2
     assert cache.loop_lengths() == [n + 3] * d + [n] * (model.loop_layout.num_loops - d)
     assert cache.get_seq_length() == n + 3
+
+
+@torch.no_grad()
+def test_a_static_rollback_costs_a_few_device_ops_not_one_per_ring():
+    """Self-speculation rolls the cache back twice a block; a static RIPE cache keeps one device-side ring start for
+    every shared cell (`ReadState.own_start`), so a rollback fills a few scalars, not one per ring (Huginn-0125's
+    shape: 124 rings, 250 launches a block), and decoding after it still reads what sequential decoding reads."""
+    model = make_model("huginn", mean_recurrence=8).float()
+    ids, mask = _batch()
+    cache = RIPECache(model, window=GAMMA, static=True, max_batch_size=3, max_cache_len=64)
+    cache.set_max_rollback(GAMMA)
+    rings = sum(1 for layer in cache.cells if type(layer).__name__ == "StaticSharedLayer")
+    model(input_ids=ids, attention_mask=mask, cache=cache, **call_kwargs("huginn"))
+    for _ in range(3):
+        model(input_ids=ids[:, :GAMMA + 1], cache=cache, **call_kwargs("huginn"))
+    fills = []
+    fill, zero = torch.Tensor.fill_, torch.Tensor.zero_
+    torch.Tensor.fill_ = lambda self, *a: (fills.append(1), fill(self, *a))[1]
+    torch.Tensor.zero_ = lambda self: (fills.append(1), zero(self))[1]
+    try:
+        cache.rollback(cache.get_seq_length() - 2)
+    finally:
+        torch.Tensor.fill_, torch.Tensor.zero_ = fill, zero
+    assert rings > 10 and len(fills) <= 3, (rings, len(fills))
