@@ -345,6 +345,7 @@ def _emit(rows: _Rows, emitted: list[list[int]], rules: tuple[int | None, set[in
                 break
 
 
+@torch.no_grad()  # as `generate`: the plain function too (autograd would record every op of every forward)
 def _speculative_decode(
     model: Any,
     input_ids: torch.Tensor,

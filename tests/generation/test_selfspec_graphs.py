@@ -237,3 +237,20 @@ def test_a_static_rollback_costs_a_few_device_ops_not_one_per_ring():
     finally:
         torch.Tensor.fill_, torch.Tensor.zero_ = fill, zero
     assert rings > 10 and len(fills) <= 3, (rings, len(fills))
+
+
+def test_the_plain_function_decodes_without_autograd(monkeypatch):
+    """`self_speculative_generate` runs its forwards under `no_grad` as `generate` does (the benchmarks call it: with
+    autograd on, every op of every forward was recorded, and a captured step would record it too)."""
+    model = make_model("ouro").float()
+    seen = []
+    forward = type(model).forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    ids, mask = _batch()
+    _spec(model, "ouro", FullLoopCache(model), ids, mask, new=4)
+    assert seen and not any(seen)
