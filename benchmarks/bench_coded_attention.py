@@ -60,11 +60,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--plot", default=None, help="draw the PNG of an existing result JSON and exit")
     parser.add_argument(
+        "--table", nargs="+", default=None, metavar="JSON",
+        help="print the markdown table of a result JSON (graph time, TB/s; a second JSON's coded rows as `vs`) and exit",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", default="cuda", help="cpu: check the script itself under TRITON_INTERPRET=1 (one untimed call)"
     )
     args = parser.parse_args(argv)
     if args.plot:
         plot(Path(args.plot))
+        return
+    if args.table:
+        table(*(Path(p) for p in args.table))
         return
 
     import triton
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                     row.update(graph_ms=gms[0], graph_ms_p20=gms[1], graph_ms_p80=gms[2], graph_tb_s=nbytes / gms[0] / 1e9)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            write_rows(args.out, rows)  # after every cell, so that a run stopped by a time limit keeps its rows
     # the flush: quantize one page of one cell's keys and values (Triton), per batch
     for b in args.batches:
         kp, vp = k_hist[:b, :, :PAGE], v_hist[:b, :, :PAGE]
@@ -266,6 +274,59 @@ def _summary(rows, cells):
             step = by.get(("int4", b, 8192))
             ratio = (r["ms"] / (cells * step.get("graph_ms", step["ms"]))) if step else math.nan
             print(f"flush B={b}: {r['ms'] * 1e3:.1f} us per cell; vs {cells} cells x int4 attention at 8K: {ratio:.3%}")
+
+
+def table(path: Path, versus: Path | None = None) -> None:
+    """Markdown table of `path` (graph-replay time and TB/s per provider, the ratios the targets speak of), with the
+    coded rows' graph time from `versus` (e.g. the v3 setting) in parentheses; then the targets of issue #14 item 5."""
+
+    def rows_of(p):
+        return {(r["provider"], r["batch"], r["context"]): r for r in json.loads(p.read_text())["rows"] if "context" in r}
+
+    cur, old = rows_of(path), rows_of(versus) if versus else {}
+
+    def t(r):
+        return r.get("graph_ms", r["ms"]) * 1e3
+
+    def tb(r):
+        return r.get("graph_tb_s", r["tb_s"])
+
+    provs = ["int4", "int4-vprec", "int2", "bf16", "sdpa-bf16"]
+    print("| ctx | B | INT4 | INT4, V precision (80% cold) | INT2 | BF16 (kernel) | SDPA bf16 | SDPA / INT4 time "
+          "| INT4 / V-prec time |")  # fmt: skip
+    print("|---" * 9 + "|")
+    verdict = {"int4_b16": [], "int4_b1_8k": None, "x_sdpa": [], "vprec": []}
+    for ctx, b in sorted({(k[2], k[1]) for k in cur}):
+        cells = []
+        for p in provs:
+            r = cur.get((p, b, ctx))
+            o = old.get((p, b, ctx))
+            txt = "-" if r is None else f"{t(r):.0f} us, {tb(r):.2f}"
+            if r is not None and o is not None and p in ("int4", "int4-vprec", "int2"):
+                txt += f" (vs {t(o):.0f})"
+            cells.append(txt)
+        i4, vp, sd = cur.get(("int4", b, ctx)), cur.get(("int4-vprec", b, ctx)), cur.get(("sdpa-bf16", b, ctx))
+        r_sd = f"{t(sd) / t(i4):.2f}" if i4 and sd else "-"
+        r_vp = f"{t(i4) / t(vp):.2f}" if i4 and vp else "-"
+        print(f"| {ctx // 1024}K | {b} | " + " | ".join(cells) + f" | {r_sd} | {r_vp} |")
+        if i4:
+            if b >= 16:
+                verdict["int4_b16"].append(tb(i4))
+            if b == 1 and ctx == 8192:
+                verdict["int4_b1_8k"] = tb(i4)
+            if b <= 8 and sd:
+                verdict["x_sdpa"].append(t(sd) / t(i4))
+            if vp:
+                verdict["vprec"].append(t(i4) / t(vp))
+
+    def rng(v):
+        return f"{min(v):.2f}-{max(v):.2f}" if v else "-"
+
+    print()
+    print(f"INT4 >= 3.3 TB/s at batch >= 16: {rng(verdict['int4_b16'])} TB/s")
+    print(f"INT4 >= 2 TB/s at batch 1 x 8K: {verdict['int4_b1_8k'] or float('nan'):.2f} TB/s")
+    print(f"batch 1-8, INT4 >= 3x faster than SDPA over BF16: {rng(verdict['x_sdpa'])}x")
+    print(f"V precision >= 1.1x faster than both planes (80% cold): {rng(verdict['vprec'])}x")
 
 
 def plot(path: Path) -> None:

@@ -1,6 +1,7 @@
 """End-to-end `model.generate` with a looped-model cache, beside transformers' own caches on a plain model.
 
-Method (gpt-fast style): one warm-up generate, then per configuration a prefill-only run (`max_new_tokens=1`) and a
+Method (gpt-fast style): per configuration a warm-up generate of 4 tokens at the measured shape (Triton's kernels
+compile per argument specialisation at their first launch; `warmup_s`), then a prefill-only run (`max_new_tokens=1`) and a
 full run; decode time = full - prefill (the same for CPU time, from `time.process_time`); CUDA synchronised around
 every timer; peak memory from `torch.cuda.max_memory_allocated` (reset before each run). Out-of-memory is recorded
 as a row, not an error. With `--count-kernels`, one more pair of runs under `torch.profiler` counts CUDA kernel
@@ -20,11 +21,17 @@ batch size). A static cache is built once per configuration and `reset()` betwee
 warm-up run is replayed by the measured ones; `capture_s` is the warm-up step plus the capture. Static rows record
 whether their greedy tokens equal the eager run's (`tokens_equal_eager`, when `eager` ran first) and, for `graph`,
 the static eager run's (`tokens_equal_static`), with the first generated step that differs.
+
+`--fused on off` measures the looped models both with their fused layer kernels (`triton_ops.fused`: RMS norm with
+the residual, RoPE, `silu(gate) * up`, one kernel each; the default on CUDA) and op by op (`fused.disabled()`); the
+row says which (`fused_ops`), and token comparisons stay within one setting.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import time
 from typing import Any
 
@@ -32,7 +39,8 @@ import torch
 
 from benchmarks.common import build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
-from hf_loopcache.cache.layers.static import StaticDenseLayer
+from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer
+from triton_ops import fused
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
     "full": lambda model, **kw: FullLoopCache(model, **kw),
@@ -62,8 +70,10 @@ def peer_model(looped: Any, dtype: torch.dtype, device: str):
         num_hidden_layers=layout.num_cells,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
+        head_dim=layout.head_dim,
+        # Huginn's config names these `block_size` / `norm_eps` (the peer only needs positions >= the context)
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", None) or cfg.block_size,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=0,
@@ -122,6 +132,7 @@ def run_one(
     count_kernels: bool = False,
     mode: str = "eager",
     reference: dict[tuple, torch.Tensor] | None = None,
+    fused_ops: bool = True,
 ) -> dict[str, Any]:
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
@@ -133,6 +144,9 @@ def run_one(
         "cache": cache_name,
         "mode": "peer" if peer else mode,
         "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
+        "shared_read": ("in-place" if StaticSharedLayer.read_in_place else "concat") if mode != "eager" and not peer
+        else None,
+        "fused_ops": fused_ops if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -165,10 +179,11 @@ def run_one(
         if peer and cache_name == "static":  # compile warm-up at this batch size, reported apart
             _, t_warm, _ = _timed(lambda: generate(4), device)
             row["compile_warmup_s"] = round(t_warm, 2)
-        if static_cache is not None:  # warm-up at this batch size (captures the decode step in `graph` mode)
+        else:  # warm-up at this shape: Triton compiles a kernel per argument
+            # specialisation at its first launch (eager rows included), and a graph is captured in `graph` mode
             _, t_warm, _ = _timed(lambda: generate(4), device)
             row["warmup_s"] = round(t_warm, 2)
-            if mode == "graph":
+            if mode == "graph" and static_cache is not None:
                 row["capture_s"] = [step["capture_s"] for step in static_cache.captured_steps()]
         reset_peak(device)
         prefill_only, t_prefill, c_prefill = _timed(lambda: generate(1), device)
@@ -189,7 +204,7 @@ def run_one(
             generated=int(out.shape[1] - prompt_len),
         )
         if reference is not None and not peer:
-            key = (shape, cache_name, batch, context, new_tokens)
+            key = (shape, cache_name, batch, context, new_tokens, fused_ops)
             reference[(*key, mode)] = out.cpu()
             for other in ("eager", "static"):
                 if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
@@ -230,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--caches", nargs="+", default=["full"], choices=sorted(CACHES), help="looped-model caches")
     parser.add_argument("--peers", nargs="*", default=[], choices=PEERS, help="transformers caches on the plain peer")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="batch sizes")
-    parser.add_argument("--context", type=int, default=8192, help="prompt + new tokens")
+    parser.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt + new tokens (one or more)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
     parser.add_argument("--out", default="generate", help="result file name under benchmarks/results/")
@@ -240,12 +255,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="looped-cache modes: growable eager, static eager, static with the captured decode step")
     parser.add_argument("--static", action="store_true", help="add the `static` mode")
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
-    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "matmul"),
+    parser.add_argument("--fused", nargs="+", default=["on"], choices=("on", "off"),
+                        help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
+    parser.add_argument("--shared-read", default="in-place" if StaticSharedLayer.read_in_place else "concat",
+                        choices=("concat", "in-place"),
+                        help="how a static RIPE/deepest shared cell reads its source: SDPA over source and ring "
+                             "concatenated, or coded_attention in place (StaticSharedLayer.read_in_place)")
+    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     args = parser.parse_args(argv)
     modes = [m for m in MODES if m in args.modes or (m == "static" and args.static) or (m == "graph" and args.graph)]
     reference: dict[tuple, torch.Tensor] = {}
     StaticDenseLayer.read_method = args.static_read
+    StaticSharedLayer.read_in_place = args.shared_read == "in-place"
     device = args.device
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -255,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
         extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
         model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches:
-            for batch in args.batches:
-                for mode in modes:
-                    row = run_one(model, shape, cache_name, batch, args.context, args.new_tokens, device,
-                                  count_kernels=args.count_kernels, mode=mode, reference=reference)
+            for context, batch in itertools.product(args.context, args.batches):
+                for mode, on in itertools.product(modes, args.fused):
+                    with contextlib.nullcontext() if on == "on" else fused.disabled():
+                        row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
+                                      count_kernels=args.count_kernels, mode=mode, reference=reference,
+                                      fused_ops=on == "on")
                     print(row, flush=True)
                     rows.append(row)
                     write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
@@ -268,8 +292,8 @@ def main(argv: list[str] | None = None) -> None:
             reset_peak(device)
             peer.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0)
             for name in args.peers:
-                for batch in args.batches:
-                    row = run_one(peer, shape, name, batch, args.context, args.new_tokens, device, peer=True,
+                for context, batch in itertools.product(args.context, args.batches):
+                    row = run_one(peer, shape, name, batch, context, args.new_tokens, device, peer=True,
                                   count_kernels=args.count_kernels)
                     print(row, flush=True)
                     rows.append(row)

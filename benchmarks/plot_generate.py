@@ -11,9 +11,11 @@ from pathlib import Path
 
 
 def _name(row: dict) -> str:
-    """The cache, with its mode when it is not the growable cache's eager decoding (`static`, `graph`)."""
+    """The cache, with its mode when it is not the growable cache's eager decoding (`static`, `graph`), and "op by op"
+    for rows run without the fused layer kernels (`--fused off`)."""
     mode = row.get("mode")
-    return row["cache"] if mode in (None, "eager", "peer") else f"{row['cache']} ({mode})"
+    name = row["cache"] if mode in (None, "eager", "peer") else f"{row['cache']} ({mode})"
+    return name + (", op by op" if row.get("fused_ops") is False else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,9 +30,14 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = [r for f in args.results for r in json.loads(Path(f).read_text())["rows"] if r.get("status") == "ok"]
     shapes = sorted({r["shape"] for r in rows})
-    fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 8), squeeze=False)
+    contexts = sorted({r["context"] for r in rows})
+    longest = {shape: max(r["context"] for r in rows if r["shape"] == shape) for shape in shapes}
+    n_rows = 3 if len(contexts) > 1 else 2
+    fig, axes = plt.subplots(n_rows, len(shapes), figsize=(6 * len(shapes), 4 * n_rows), squeeze=False)
     for col, shape in enumerate(shapes):
-        mine = [r for r in rows if r["shape"] == shape]
+        # the bars: one context per shape (the first of the run), tok/s and peak memory per batch
+        context = min(r["context"] for r in rows if r["shape"] == shape)
+        mine = [r for r in rows if r["shape"] == shape and r["context"] == context]
         labels = sorted({(r["model"], _name(r)) for r in mine})
         batches = sorted({r["batch"] for r in mine})
         width = 0.8 / max(1, len(labels))
@@ -44,11 +51,24 @@ def main(argv: list[str] | None = None) -> None:
                         xs.append(j + i * width)
                         ys.append(hit[0][key])
                 axes[row_idx][col].bar(xs, ys, width, label=name)
-        context = mine[0]["context"]
         for row_idx, title in enumerate(("decode tokens/s", "peak GPU memory (GiB)")):
             ax = axes[row_idx][col]
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
             ax.set_title(f"{shape}, {context} context: {title}")
+            ax.legend(fontsize=7)
+        if n_rows == 3:  # ms per decode step against context, batch 1 (or the smallest batch run)
+            ax = axes[2][col]
+            rows_shape = [r for r in rows if r["shape"] == shape]
+            b0 = min(r["batch"] for r in rows_shape)
+            for model, cache in sorted({(r["model"], _name(r)) for r in rows_shape}):
+                pts = sorted((r["context"], r["ms_per_decode_step"]) for r in rows_shape
+                             if r["batch"] == b0 and (r["model"], _name(r)) == (model, cache))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=cache if model == "looped" else f"{cache} (plain peer)")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"context (tokens, up to {longest[shape]})")
+            ax.set_ylabel("ms / decode step")
+            ax.set_title(f"{shape}, batch {b0}: ms per step against context")
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

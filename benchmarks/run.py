@@ -13,6 +13,7 @@ from benchmarks.common import environment
 
 REGISTRY = {
     "generate": ("benchmarks.bench_generate", "tests/test_models.py"),
+    "capacity": ("benchmarks.bench_capacity", "tests/cache/test_memory.py"),
     "ripe-windows": ("benchmarks.bench_ripe_windows", "tests/cache/test_engine.py"),
     "loopkv-planner": ("benchmarks.bench_loopkv_planner", "tests/planner/test_profile_plan.py"),
     "v-precision": ("benchmarks.bench_v_precision", "tests/cache/test_loopkv.py"),

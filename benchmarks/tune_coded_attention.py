@@ -137,9 +137,14 @@ def _cast(view):
     return dataclasses.replace(view, **f)
 
 
+def _write(path, dev, rows):
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows), f)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm")
+    p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm[,words]")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
     p.add_argument("--providers", nargs="+", default=["int4"])
@@ -159,8 +164,9 @@ def main(argv=None):
     print(f"data {time.time() - t0:.1f}s", flush=True)
     configs = []
     for c in args.configs:
-        pg, nw, st, ps = (int(x) for x in c.split(","))
-        configs.append((c, dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps)))
+        pg, nw, st, ps, *wd = (int(x) for x in c.split(","))
+        tune = dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps, words=bool(wd and wd[0]))
+        configs.append((c, tune))
     if args.baseline:
         configs.insert(0, ("v2", dict(enabled=False)))
     rows = []
@@ -204,6 +210,8 @@ def main(argv=None):
                     row.update(us=ms * 1e3, tb_s=nbytes / ms / 1e9, bytes_read=int(nbytes), check_err=chk["err"])
                     rows.append(row)
             print(f"  timed in {time.time() - t1:.1f}s", flush=True)
+            if args.out:  # after every setting, so that a call stopped by its time limit keeps what it measured
+                _write(args.out, dev, rows)
     if args.baseline and dev == "cuda":
         for ctx in args.contexts:
             for b in args.batches:
@@ -221,11 +229,7 @@ def main(argv=None):
                                  tb_s=b * (ctx + 1) * 4 * E / ms / 1e9))  # fmt: skip
                 del kk, vv
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows),
-                f,
-            )
+        _write(args.out, dev, rows)
     cells = sorted({(r["context"], r["batch"]) for r in rows if "us" in r})
     keys = sorted({(r["config"], r["provider"]) for r in rows if "us" in r}, key=lambda k: (k[1], k[0]))
     print("us (TB/s) per config x provider; columns: " + ", ".join(f"{c}:{b}" for c, b in cells))

@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
+from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
@@ -63,9 +64,11 @@ class LoopCache(Cache):
         static (`bool`, *optional*, defaults to False): preallocate every cell for `max_batch_size` rows and
             `max_cache_len` positions and keep the write position and key validity as device tensors, so that a
             one-token decode step has the same shapes and addresses every step (`is_compileable`; captured in a CUDA
-            graph by `generate` on CUDA). Supported for plans of `bf16` and `share` cells without a sink
-            (`FullLoopCache`, `RIPECache`, `DeepestPlaneCache`); a shared cell keeps its own recent positions in a
-            ring sized by the window and `max_rollback` (`StaticSharedLayer`).
+            graph by `generate` on CUDA). Every plan: `bf16` cells are `StaticDenseLayer`s; `int4` / `int2` cells
+            are `StaticCodedLayer`s (BF16 sink, a ring of recent positions, the codes of every page preallocated, the
+            page flush inside the step); `share` cells keep their own recent positions in a ring sized by the window
+            and `max_rollback` and read their source in place (`StaticSharedLayer` for RIPE plans without a sink,
+            `StaticCodedSharedLayer` for a sink or a coded source).
         max_batch_size (`int`, *optional*): rows of a static cache (required with `static=True`).
         max_cache_len (`int`, *optional*): positions of a static cache, prompt and generated tokens (required with
             `static=True`).
@@ -154,9 +157,20 @@ class LoopCache(Cache):
             if self.static:
                 return StaticDenseLayer(self.max_batch_size, self.max_cache_len)  # type: ignore[arg-type]
             return DenseLayer()
+        static_sizes = dict(
+            sink=self.plan.sink,
+            window=self.plan.window,
+            page_size=self.plan.page_size,
+            rollback=self.max_rollback,
+            max_batch_size=self._static_rows,
+            max_cache_len=self._static_len,
+        )
         if option == "share":
             if source is None:
                 raise ValueError(f"cell {cell} shares, but no source cell was given")
+            in_place = StaticSharedLayer.read_in_place
+            if self.static and (self.plan.sink or not isinstance(source, StaticDenseLayer) or in_place):
+                return StaticCodedSharedLayer(source, **static_sizes)  # type: ignore[arg-type]
             if self.static:
                 return StaticSharedLayer(
                     source,  # type: ignore[arg-type]
@@ -167,7 +181,10 @@ class LoopCache(Cache):
                     own_start_on_device=False,  # the cache's one `_own_start_t` serves every ring (one fill a rollback)
                 )
             return SharedLayer(source, **sizes)
-        return CodedLayer(4 if option == "int4" else 2, group_size=self.plan.group_size, **sizes)
+        nbits = 4 if option == "int4" else 2
+        if self.static:
+            return StaticCodedLayer(nbits, group_size=self.plan.group_size, **static_sizes)  # type: ignore[arg-type]
+        return CodedLayer(nbits, group_size=self.plan.group_size, **sizes)
 
     # ----------------------------------------------------------------------------- addressing
     def _flat(self, slot: int | torch.Tensor) -> int:
@@ -495,7 +512,9 @@ class LoopCache(Cache):
         since; deeper cuts restore the straddling page from its codes. Shared cells are cut before their sources."""
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"`length` must be a non-negative int, got {length!r}")
-        shared_first = sorted(self.cells, key=lambda layer: not isinstance(layer, SharedLayer))
+        shared_first = sorted(  # a static coded shared cell cut below its ring reads its source as it was
+            self.cells, key=lambda layer: not isinstance(layer, (SharedLayer, StaticCodedSharedLayer))
+        )
         for layer in shared_first:
             layer.truncate(min(layer.get_seq_length(), length))
         rings = [layer for layer in self.cells if isinstance(layer, StaticSharedLayer)]
@@ -527,6 +546,11 @@ class LoopCache(Cache):
                 if capacity != layer.capacity:
                     layer.resize(capacity)
                     self._graphs.clear()  # the captured steps read the old rings
+            elif isinstance(layer, (StaticCodedLayer, StaticCodedSharedLayer)):
+                old = layer.capacity
+                layer.resize(max_rollback)
+                if layer.capacity != old:
+                    self._graphs.clear()
         self._sync_device_length()
 
     def reserve(self, max_length: int) -> None:
@@ -587,12 +611,4 @@ def _check_static(plan: CachePlan, static: Any, max_batch_size: Any, max_cache_l
     for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int with `static=True`, got {value!r}")
-    options = sorted({plan.option(cell) for cell in plan.layout.cells()} - {"bf16", "share"})
-    if options:
-        raise ValueError(
-            f"`static=True` supports plans whose cells are 'bf16' or 'share' (FullLoopCache, RIPECache, "
-            f"DeepestPlaneCache); this plan also has {', '.join(repr(o) for o in options)} cells ({plan.summary()}); "
-            f"build it with `static=False`"
-        )
-    if plan.sink and "share" in plan.options.values():
-        raise ValueError(f"`static=True` supports shared cells without a sink; this plan has `sink={plan.sink}`")
+

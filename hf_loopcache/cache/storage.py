@@ -22,12 +22,20 @@ def _grown(live: int, need: int, min_growth: int) -> int:
 
 
 def quantize_pages(
-    key: torch.Tensor, value: torch.Tensor, nbits: int, *, page_size: int, group_size: int, valid: torch.Tensor | None
+    key: torch.Tensor,
+    value: torch.Tensor,
+    nbits: int,
+    *,
+    page_size: int,
+    group_size: int,
+    valid: torch.Tensor | None,
+    check_finite: bool = True,
 ) -> tuple[QuantizedKeys, QuantizedValues]:
     """Codes of whole pages `[B, H, n * page_size, D]` (the flush and on-demand coding both go through here): keys per
-    channel over pages (padding left out of each page's min/max), values per token in channel groups."""
-    qk = quantize_keys(key, nbits, group_size=page_size, valid=valid)
-    qv = quantize_values(value, nbits, group_size=group_size)
+    channel over pages (padding left out of each page's min/max), values per token in channel groups.
+    `check_finite=False` skips the finite check of the scales (a host read; a static cell's captured flush)."""
+    qk = quantize_keys(key, nbits, group_size=page_size, valid=valid, check_finite=check_finite)
+    qv = quantize_values(value, nbits, group_size=group_size, check_finite=check_finite)
     return qk, qv
 
 
@@ -64,9 +72,13 @@ class SeqBuffer:
             self.lo = 0
         elif self.lo + n + q > self.k.shape[2]:
             cap = self.k.shape[2]
-            if n + q <= cap and self.lo >= n:  # enough dead room at the front: compact in place (no overlap)
-                self.k[:, :, :n] = self.k[:, :, self.lo : self.lo + n]
-                self.v[:, :, :n] = self.v[:, :, self.lo : self.lo + n]
+            if n + q <= cap:  # enough dead room at the front: compact in place
+                # in pieces of at most `lo` positions, front to back: no piece overlaps its own source, and no source
+                # is overwritten before it is copied (a buffer sized a little above its live part needs no copy of it)
+                for a in range(0, n, self.lo):
+                    b = min(a + self.lo, n)
+                    self.k[:, :, a:b] = self.k[:, :, self.lo + a : self.lo + b]
+                    self.v[:, :, a:b] = self.v[:, :, self.lo + a : self.lo + b]
             else:
                 new_cap = _grown(n, n + q, self.min_growth)
                 new_k = self.k.new_empty((*self.k.shape[:2], new_cap, self.k.shape[3]))

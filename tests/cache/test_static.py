@@ -154,10 +154,8 @@ def test_static_errors():
         FullLoopCache(model, static=True, max_batch_size=2)
     with pytest.raises(ValueError, match="with `static=True`"):
         FullLoopCache(model, max_cache_len=16)
-    with pytest.raises(ValueError, match="without a sink"):
-        RIPECache(model, window=4, sink=2, static=True, max_batch_size=1, max_cache_len=16)
-    with pytest.raises(ValueError, match="'int4'"):
-        build_cache(model, "loopkv:kivi4", group_size=8, static=True, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        build_cache(model, "loopkv:kivi4", group_size=8, static=True, max_cache_len=16)
     ids, mask = _prompt(3, False)
     with pytest.raises(ValueError, match="max_batch_size=2"):
         _generate(model, "ouro", ids, mask, FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=32))
@@ -167,11 +165,16 @@ def test_static_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("read_method", ["sdpa", "kernel"])
 @pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_captured_decode_equals_eager_cuda(arch, name):
+def test_captured_decode_equals_eager_cuda(arch, name, read_method, monkeypatch):
     """On CUDA, `generate` replays a captured one-token step (per batch size) with the same greedy tokens as eager
-    decoding of the static cache and of the growable cache (fp32)."""
+    decoding of the static cache and of the growable cache (fp32), with either dense read (SDPA with the mask, or the
+    Triton kernel up to the device-side length)."""
+    from hf_loopcache.cache.layers.static import StaticDenseLayer
+
+    monkeypatch.setattr(StaticDenseLayer, "read_method", read_method)
     model = make_model(arch).float().cuda()
     ids, mask = (t.cuda() for t in _prompt(3, True))
     expected = _generate(model, arch, ids, mask, CACHES[name](model), new=12)
@@ -190,13 +193,14 @@ def test_captured_decode_equals_eager_cuda(arch, name):
 @pytest.mark.parametrize("name", ["full", "ripe3"])
 def test_static_read_methods_agree(monkeypatch, name):
     """Static reads as `scaled_dot_product_attention` with an additive mask (a shared cell over its source and ring
-    concatenated) and as `masked_attention` over the segments in place give the growable cache's tokens."""
+    concatenated), as `coded_attention` over the dense buffer up to its device-side length, and as `masked_attention`
+    over the segments in place give the growable cache's tokens."""
     from hf_loopcache.cache.layers.static import StaticDenseLayer
 
     model = make_model("ouro").float()
     ids, mask = _prompt(3, True)
     expected = _generate(model, "ouro", ids, mask, CACHES[name](model))
-    for method in ("sdpa", "matmul"):
+    for method in ("sdpa", "kernel", "matmul"):
         monkeypatch.setattr(StaticDenseLayer, "read_method", method)
         cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=24)
         assert torch.equal(_generate(model, "ouro", ids, mask, cache), expected)

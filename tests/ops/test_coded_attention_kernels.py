@@ -165,7 +165,7 @@ def _reference_error(data, dtype):
     return (low[0].double() - exact[0]).abs().max().item()
 
 
-def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
+def _run_kernel(data, device=DEVICE, vprec=None, stats=None, tuning=None):
     from triton_ops.coded_attention.ops import _coded_attention_fwd, _kernel_supports
 
     case, dtype = data["case"], data["dtype"]
@@ -177,13 +177,14 @@ def _run_kernel(data, device=DEVICE, vprec=None, stats=None):
     return _coded_attention_fwd(
         query, view, scaling=data["scaling"],
         v_precision_tau=data["tau"] if use_vprec else None, v_precision_stats=stats, num_splits=case.splits,
+        tuning=tuning,
     )  # fmt: skip
 
 
-def _check(case: Case, dtype: torch.dtype, seed: int = 0):
+def _check(case: Case, dtype: torch.dtype, seed: int = 0, tuning: dict | None = None):
     data = _build(case, dtype, seed)
     stats_k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    out, lse = _run_kernel(data, stats=stats_k)
+    out, lse = _run_kernel(data, stats=stats_k, tuning=tuning)
     assert out.dtype == dtype and out.shape == (case.B, case.Hq, case.Q, case.D)
     assert lse.shape == (case.B, case.Hq, case.Q) and lse.dtype == torch.float32
     stats_r = torch.zeros(2, dtype=torch.int64)
@@ -235,6 +236,41 @@ def test_kernel_matches_reference(case, dtype):
     _check(case, dtype)
 
 
+ROW1_CASES = [c for c in CPU_CASES if c.Hq == c.Hkv and c.Q == 1 and c.fmt]
+
+
+ROW1_SETTINGS = {"v3-bytes-np2": {"words": False, "pages": 2}, "v4-words-np2": {"words": True, "pages": 2}}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in ROW1_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("setting", list(ROW1_SETTINGS))
+def test_row1_settings_match_reference(case, dtype, setting):
+    """The one-row path in its other `ROW1_TUNING` settings (the cases above run the default, v4 words with one page
+    per step): v3's byte reads, and v4 with two pages per step (the next step's tiles loaded ahead)."""
+    _check(case, dtype, tuning=ROW1_SETTINGS[setting])
+
+
+def test_word_path_falls_back_to_bytes_on_unaligned_codes():
+    """Codes whose token stride is not a multiple of 4 bytes cannot be read as 32-bit words: the launcher takes the
+    byte path (reading them as words would mix rows)."""
+    data = _build(Case(hist=100, Hq=2, Hkv=2, vprec=False, lean=0.3), torch.float32)
+    qk, qv = data["history"]
+
+    def pad(t):  # the same bytes, rows 2 bytes apart more (a token stride of 18 / 10 bytes)
+        big = torch.zeros(*t.shape[:-1], t.shape[-1] + 2, dtype=t.dtype)
+        big[..., : t.shape[-1]] = t
+        return big[..., : t.shape[-1]]
+
+    data["history"] = (
+        naive.QuantizedKeys(pad(qk.codes), qk.scale, qk.zero, qk.nbits, qk.group_size),
+        naive.QuantizedValues(pad(qv.hi), pad(qv.lo), qv.scale, qv.zero, qv.nbits, qv.group_size),
+    )
+    ref, _ = _reference(data)
+    out, _ = _run_kernel(data, tuning={"words": True})
+    assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
+
+
 def test_v_precision_is_applied():
     """With V precision off, the kernel leaves the reference with V precision by far more than the tolerance, so
     the comparisons above would see it missing (LoopKV Sec. 3.3); the counts give a real mix of cold and hot."""
@@ -257,16 +293,17 @@ def test_running_max_crosses_splits():
     stats = torch.zeros(2, dtype=torch.int64)
     ref, _ = _reference(data, stats=stats)
     assert stats[0].item() > 0
-    for ns in (1, 2, 4):
+    for ns, words in ((1, False), (2, False), (4, False), (1, True), (4, True)):
         data["case"].splits = ns
         got = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-        out, _ = _run_kernel(data, stats=got)
+        out, _ = _run_kernel(data, stats=got, tuning={"words": words})
         assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], ns
         assert got.tolist() == stats.tolist(), ns
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 @pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
-def test_late_maximum_moves_the_softmax_reference(vprec):
+def test_late_maximum_moves_the_softmax_reference(vprec, words):
     """One row per KV head (the elementwise path keeps a lazy softmax reference): a key aligned with the query in the
     last page forces the reference to move after two steps of pages were accumulated; the output must not change."""
     data = _build(Case(hist=320, S=0, Q=1, Hq=1, Hkv=1, splits=1, vprec=vprec), torch.float32)
@@ -275,7 +312,7 @@ def test_late_maximum_moves_the_softmax_reference(vprec):
     k[:, :, 300] = data["q"][:, :1, 0] * 6
     data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
     ref, ref_lse = _reference(data)
-    out, lse = _run_kernel(data)
+    out, lse = _run_kernel(data, tuning={"words": words})
     assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
 
@@ -323,6 +360,14 @@ def test_kernel_matches_reference_gpu_sweep(case):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_kernel_matches_reference_gpu(case, dtype):
     _check(case, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_SWEEP if c.fmt] + [GPU_SPECIAL[3]])
+@pytest.mark.parametrize("setting", list(ROW1_SETTINGS))
+def test_row1_settings_gpu_sweep(case, setting):
+    _check(case, torch.bfloat16, tuning=ROW1_SETTINGS[setting])
 
 
 def test_kernel_refuses_shapes_it_cannot_take():

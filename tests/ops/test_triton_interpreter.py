@@ -13,7 +13,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ["tests/ops/test_quant_kernels.py", "tests/ops/test_coded_attention_kernels.py"]
+MODULES = [
+    "tests/ops/test_quant_kernels.py",
+    "tests/ops/test_coded_attention_kernels.py",
+    "tests/ops/test_coded_attention_static.py",
+    "tests/ops/test_fused_kernels.py",
+]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -260,6 +260,274 @@ def _codes_history_row1(
 
 
 @triton.jit
+def _wfield(w, one, POS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+    """The NB-bit field at bit POS (0..31) of int32 words `w` as fp32. FAST: `1 + field * 2**(TGT - 23)`: the field
+    shifted to bits TGT .. TGT + NB - 1 of 1.0's mantissa and OR-ed into it (one shift, one LOP3; no conversion).
+    TGT cycles through 15, 15 + NB, .. 23 - NB over consecutive fields, so the 8 / NB fields of a byte move by the
+    same shift (computed once) and each shift serves 8 / NB fields; the lowest sits 2**-8 below 1.0, so fp32 keeps
+    ~2**-15 relative of the field's term. `one`: the bits of 1.0 (0x3F800000) as a run-time register value, so that
+    the LOP3's one immediate is the field's mask (two constants would be re-materialised before every LOP3). Else
+    the field itself (exact)."""
+    if FAST:
+        TGT: tl.constexpr = 15 + NB * ((POS // NB) % (8 // NB))
+        if TGT >= POS:
+            x = w << (TGT - POS)
+        else:
+            x = w >> (POS - TGT)
+        return ((x & (((1 << NB) - 1) << TGT)) | one).to(tl.float32, bitcast=True)
+    else:
+        return _u2f((w >> POS) & ((1 << NB) - 1))
+
+
+@triton.jit
+def _kacc8(b_sa, w, one, q0, q1, q2, q3, q4, q5, q6, q7, POS0: tl.constexpr, STEP: tl.constexpr, NB: tl.constexpr,
+           FAST: tl.constexpr):  # fmt: skip
+    """`b_sa += field_i(w) * q_i` for the 8 key lanes at bits POS0 + STEP * i of the words `w` [NP, PAGE, DW] (the
+    lane queries `q_i` [NP, DW] carry the page's scale): one FFMA per code element, summed over words after."""
+    b_sa += _wfield(w, one, POS0, NB, FAST) * q0[:, None, :]
+    b_sa += _wfield(w, one, POS0 + STEP, NB, FAST) * q1[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 2 * STEP, NB, FAST) * q2[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 3 * STEP, NB, FAST) * q3[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 4 * STEP, NB, FAST) * q4[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 5 * STEP, NB, FAST) * q5[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 6 * STEP, NB, FAST) * q6[:, None, :]
+    b_sa += _wfield(w, one, POS0 + 7 * STEP, NB, FAST) * q7[:, None, :]
+    return b_sa
+
+
+@triton.jit
+def _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, w, one, b_w3, POS0: tl.constexpr, STEP: tl.constexpr, NB: tl.constexpr,
+           FAST: tl.constexpr):  # fmt: skip
+    """`a_i += w3 * field_i(w)` for 8 value lanes at bits POS0 + STEP * i of the words `w` [T, NG, VW]."""
+    a0 += b_w3 * _wfield(w, one, POS0, NB, FAST)
+    a1 += b_w3 * _wfield(w, one, POS0 + STEP, NB, FAST)
+    a2 += b_w3 * _wfield(w, one, POS0 + 2 * STEP, NB, FAST)
+    a3 += b_w3 * _wfield(w, one, POS0 + 3 * STEP, NB, FAST)
+    a4 += b_w3 * _wfield(w, one, POS0 + 4 * STEP, NB, FAST)
+    a5 += b_w3 * _wfield(w, one, POS0 + 5 * STEP, NB, FAST)
+    a6 += b_w3 * _wfield(w, one, POS0 + 6 * STEP, NB, FAST)
+    a7 += b_w3 * _wfield(w, one, POS0 + 7 * STEP, NB, FAST)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _split8(x):
+    """The 8 lanes of the last axis of `x` [A, B, 8] as 8 tensors [A, B] (lane order 0..7), by three halvings."""
+    A: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    e, o = tl.split(tl.reshape(x, [A, B, 4, 2]))  # lanes 2j, 2j + 1
+    ee, eo = tl.split(tl.reshape(e, [A, B, 2, 2]))  # 4j, 4j + 2
+    oe, oo = tl.split(tl.reshape(o, [A, B, 2, 2]))  # 4j + 1, 4j + 3
+    l0, l4 = tl.split(ee)
+    l2, l6 = tl.split(eo)
+    l1, l5 = tl.split(oe)
+    l3, l7 = tl.split(oo)
+    return l0, l1, l2, l3, l4, l5, l6, l7
+
+
+@triton.jit
+def _vstore(p_o, a, b_ws, b_z, b_inv, VSC: tl.constexpr):
+    tl.store(p_o, (VSC * (tl.sum(a, axis=0) - b_ws) + b_z) * b_inv)
+
+
+@triton.jit
+def _codes_history_row1w(
+    b_q, b_run, q_ptr, qk_scale, o_ptr, lse_ptr, pmax_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr,
+    hvl_ptr, hvs_ptr, hvz_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh, o_part, i_prog, nh,
+    hist_start, p_begin, p_end, n_pages, margin,
+    D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
+    USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """`_codes_history_row1` reading codes as 32-bit words (v4): key words `[NP, PAGE, D * nbits / 32]`, value
+    words `[T, groups, VGROUP / 16]` per plane, each word unpacked in registers by shift + LOP3 per field (no byte
+    extraction); the key lanes accumulate with one FFMA per element into a tile summed over words once per step; the
+    INT4 value planes are first merged into two words of 4-bit codes (`4 hi + lo`: even and odd fields) with two
+    shift + LOP3 per word pair. The next step's codes, scales and zeros are loaded at the top of the step (carried
+    into the next), so their latency overlaps this step's arithmetic. Pointers to codes are `int32` pointers already
+    at (b, h_kv); strides of code tensors in words. Same contract and results as `_codes_history_row1`."""
+    LANES: tl.constexpr = 32 // KV_FMT  # key channels per word: lane j of word w is channel LANES * w + j
+    DW: tl.constexpr = D // LANES
+    NG: tl.constexpr = D // VGROUP  # value groups per token
+    VW: tl.constexpr = VGROUP // 16  # plane words per value group; lane j of word u is channel 16 * u + j
+    T: tl.constexpr = NP * PAGE
+    # FAST: value code = (f - 1) * VSC per lane (`_wfield`'s TGT): lanes 2i (a_i) / 2i + 1 (c_i), i even / odd
+    VA0: tl.constexpr = 256.0 if FAST else 1.0
+    VA1: tl.constexpr = 16.0 if FAST else 1.0
+    VC0: tl.constexpr = (256.0 if KV_FMT == 4 else 64.0) if FAST else 1.0
+    VC1: tl.constexpr = (16.0 if KV_FMT == 4 else 4.0) if FAST else 1.0
+    o_np = tl.arange(0, NP)
+    o_pt = tl.arange(0, PAGE)
+    o_w = tl.arange(0, DW)
+    o_d = tl.arange(0, D)
+    o_tt = tl.arange(0, T)
+    o_g = tl.arange(0, NG)
+    o_u = tl.arange(0, VW)
+    o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]  # [1, NG, VW] word of the value plane
+    limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
+    b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
+    b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
+    z3 = tl.zeros([T, NG, VW], dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = z3, z3, z3, z3, z3, z3, z3, z3  # even value lanes 0, 2, .., 14
+    c0, c1, c2, c3, c4, c5, c6, c7 = z3, z3, z3, z3, z3, z3, z3, z3  # odd value lanes 1, 3, .., 15
+    b_az = tl.zeros([T, NG], dtype=tl.float32)  # p * zero (+ 1.5 * p * scale of cold tokens)
+    b_wsum = tl.zeros([T, NG], dtype=tl.float32)  # p * scale (FAST: the `1` of every f)
+    if COUNT:
+        b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
+        b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
+    one = (tl.max(b_q * 0.0, axis=0) + 1.0).to(tl.int32, bitcast=True)  # 0x3F800000, not a compile-time constant
+    if FAST:  # code = (f - 1) * 2**(23 - TGT) with TGT of the channel's field (`_wfield`): folded into the query
+        b_qk = b_q * (1 << (8 - KV_FMT * ((o_d % LANES) % (8 // KV_FMT)))).to(tl.float32)
+    else:
+        b_qk = b_q
+    # the first step's tiles (the loop loads the next step's at its top)
+    o_pg = p_begin + o_np
+    o_t3 = (o_pg[:, None] * PAGE + o_pt[None, :])[:, :, None]
+    n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+    n_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+    n_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+    if not PAGE_MAX_ONLY:
+        o_t1 = p_begin * PAGE + o_tt
+        o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+        n_vh = tl.load(hv_ptr + o_v3, mask=(o_t1 < limit)[:, None, None], other=0)
+        if KV_FMT == 4 and not USE_VPREC:
+            n_vl = tl.load(hvl_ptr + o_v3, mask=(o_t1 < limit)[:, None, None], other=0)
+        else:
+            n_vl = n_vh
+        o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+        n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+        n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+    for i_p0 in range(p_begin, p_end, NP):
+        b_kw, b_ksf, b_kz = n_kw, n_ks, n_kz
+        if not PAGE_MAX_ONLY:
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+        # the next step's tiles, in flight while this step computes (masked off past the split's end)
+        o_pgn = i_p0 + NP + o_np
+        o_t3n = (o_pgn[:, None] * PAGE + o_pt[None, :])[:, :, None]
+        n_kw = tl.load(hk_ptr + o_t3n * stride_hkt + o_w[None, None, :], mask=o_t3n < limit, other=0)
+        m_pgn = (o_pgn < p_end)[:, None]
+        n_ks = tl.load(hks_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=m_pgn, other=0.0)
+        n_kz = tl.load(hkz_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=m_pgn, other=0.0)
+        if not PAGE_MAX_ONLY:
+            o_t1n = (i_p0 + NP) * PAGE + o_tt
+            m_t1n = o_t1n < limit
+            o_v3n = o_t1n[:, None, None] * stride_hvt + o_gu
+            n_vh = tl.load(hv_ptr + o_v3n, mask=m_t1n[:, None, None], other=0)
+            if KV_FMT == 4 and not USE_VPREC:
+                n_vl = tl.load(hvl_ptr + o_v3n, mask=m_t1n[:, None, None], other=0)
+            else:
+                n_vl = n_vh
+            o_s2n = o_t1n[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2n, mask=m_t1n[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2n, mask=m_t1n[:, None], other=0.0)
+        # scores: the page's key scale folded into the lane queries, its zero into a per-page bias
+        o_pg = i_p0 + o_np  # [NP] pages
+        m_pg = o_pg < p_end
+        o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]  # [NP, PAGE] history token index
+        m_vis = o_t2 < limit
+        b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
+        b_qs = b_ksf.to(tl.float32) * b_qk[None, :]  # [NP, D]: query x the page's key scale
+        if FAST:  # the `1` of every f
+            b_bias -= tl.sum(b_qs, axis=1)
+        b_sa = tl.zeros([NP, PAGE, DW], dtype=tl.float32)
+        if KV_FMT == 4:
+            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(tl.reshape(b_qs, [NP, DW, 8]))
+            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 4, FAST)
+        else:
+            b_e, b_o = tl.split(tl.reshape(b_qs, [NP, DW, 8, 2]))  # even lanes 2j, odd lanes 2j + 1
+            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_e)
+            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 2, FAST)
+            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_o)
+            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 2, 4, 2, FAST)
+        b_s = tl.sum(b_sa, axis=2) + b_bias[:, None]  # [NP, PAGE]
+        if USE_VALID:
+            b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
+            m_vis = m_vis & b_valid
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_pm = tl.max(b_s, axis=1)  # [NP] page maxima
+        if PAGE_MAX_ONLY:
+            tl.store(pmax_ptr + i_bh * n_pages + o_pg, b_pm, mask=m_pg)
+        else:
+            b_mx = tl.max(b_pm, axis=0)
+            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+                b_alpha = tl.exp2(b_mr - b_mx)
+                b_lv *= b_alpha
+                a0, a1, a2, a3, a4, a5, a6, a7 = (
+                    a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
+                    a6 * b_alpha, a7 * b_alpha,
+                )  # fmt: skip
+                c0, c1, c2, c3, c4, c5, c6, c7 = (
+                    c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
+                    c6 * b_alpha, c7 * b_alpha,
+                )  # fmt: skip
+                b_az *= b_alpha
+                b_wsum *= b_alpha
+                b_mr = b_mx
+            b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+            b_lv += b_p
+            o_t1 = i_p0 * PAGE + o_tt  # [T]
+            m_t1 = o_t1 < limit
+            if USE_VPREC:
+                # running max of each page: the seed, then the prefix of page maxima up to the page itself
+                b_pre = tl.max(tl.where(o_np[None, :] <= o_np[:, None], b_pm[None, :], float("-inf")), axis=1)
+                b_runp = tl.maximum(b_pre, b_run)
+                b_run = tl.maximum(b_run, b_mx)
+                m_hot = m_vis & (b_s >= b_runp[:, None] - margin)
+                if COUNT:
+                    b_cnt_all += m_vis.to(tl.int32)
+                    b_cnt_cold += (m_vis & ~m_hot).to(tl.int32)
+                b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+                m_lo = m_t1 & tl.reshape(m_hot, [T])
+                o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+                b_vl = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0)  # 0 where cold
+            b_p1 = tl.reshape(b_p, [T])
+            b_vsf = b_vs.to(tl.float32)
+            b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
+            b_az += b_p1[:, None] * b_vz.to(tl.float32)
+            if FAST:
+                b_wsum += b_w
+            b_w3 = b_w[:, :, None]
+            if KV_FMT == 4:
+                if USE_VPREC:
+                    b_az += 1.5 * b_pc[:, None] * b_vsf  # cold tokens read the hi bucket's midpoint
+                # 4-bit codes 4 hi + lo: even fields (hi's bits moved up by 2) and odd fields (lo's moved down)
+                b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
+                b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+            else:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
+                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
+    if not PAGE_MAX_ONLY:
+        b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
+        b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + o_part, b_lse)
+        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+        p_o = o_ptr + o_part * D + (o_g[:, None] * VW + o_u[None, :]) * 16  # [NG, VW]: lane 0 of each word
+        b_z = tl.sum(b_az, axis=0)[:, None]
+        b_ws = tl.sum(b_wsum, axis=0)[:, None]  # 0 unless FAST
+        _vstore(p_o, a0, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 2, a1, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 4, a2, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 6, a3, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 8, a4, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 10, a5, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 12, a6, b_ws, b_z, b_inv, VA0)
+        _vstore(p_o + 14, a7, b_ws, b_z, b_inv, VA1)
+        _vstore(p_o + 1, c0, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 3, c1, b_ws, b_z, b_inv, VC1)
+        _vstore(p_o + 5, c2, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 7, c3, b_ws, b_z, b_inv, VC1)
+        _vstore(p_o + 9, c4, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 11, c5, b_ws, b_z, b_inv, VC1)
+        _vstore(p_o + 13, c6, b_ws, b_z, b_inv, VC0)
+        _vstore(p_o + 15, c7, b_ws, b_z, b_inv, VC1)
+        if COUNT:
+            tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
+            tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
+
+
+@triton.jit
 def _attend_dense(
     b_q,
     b_m,
@@ -283,14 +551,21 @@ def _attend_dense(
     USE_VALID: tl.constexpr,
     IEEE: tl.constexpr,
     MAX_ONLY: tl.constexpr,
+    RING: tl.constexpr = False,
 ):
     """Online softmax over a dense segment of `length` positions `pos0 ..`; row r sees `b_lo[r] <= pos < b_hi[r]`
-    (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed)."""
+    (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed).
+    `RING`: the segment is a ring of `length` slots holding the positions below `pos0` (slot `c` holds
+    `pos0 - 1 - ((pos0 - 1 - c) mod length)`; slots of negative positions are not read)."""
     o_d = tl.arange(0, D)
     for t0 in range(0, length, BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
         m_t = o_t < length
-        o_pos = pos0 + o_t
+        if RING:
+            o_pos = pos0 - 1 - ((pos0 - 1 - o_t + length) % length)
+            m_t = m_t & (o_pos >= 0)
+        else:
+            o_pos = pos0 + o_t
         b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + o_d[None, :], mask=m_t[:, None], other=0.0)  # [BT, D]
         b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale  # [BR, BT]
         m_vis = m_t[None, :] & m_row[:, None] & (o_pos[None, :] >= b_lo[:, None]) & (o_pos[None, :] < b_hi[:, None])
@@ -315,6 +590,7 @@ def _coded_attention_fwd_kernel(
     pmax_ptr,
     bound_ptr,
     valid_ptr,
+    len_ptr,  # DEV_LEN: the cached length, read on the device (else `n_start`)
     # sink [B, H_kv, S, D], window [B, H_kv, W, D] (positions w_start ..), new [B, H_kv, Q, D] (positions n_start ..)
     sk_ptr,
     sv_ptr,
@@ -396,8 +672,14 @@ def _coded_attention_fwd_kernel(
     IEEE: tl.constexpr,
     ROW1: tl.constexpr = False,
     NP: tl.constexpr = 4,
+    WORDS: tl.constexpr = False,
+    DEV_LEN: tl.constexpr = False,
 ):
+    # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
+    # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    if DEV_LEN:
+        n_start = tl.load(len_ptr).to(tl.int32)
     i_b, i_hk = i_bh // H_KV, i_bh % H_KV
     R = G * Q
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # row = g * Q + i
@@ -417,13 +699,15 @@ def _coded_attention_fwd_kernel(
         # the dense tail: sink (padding only), window (positions >= bound), new tokens (causal)
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
-            sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero, b_zero + S, b_own,
-            m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+            sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
+            b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
+            IEEE, False,
         )  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
-            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_start, b_bound,
-            b_zero + w_start + W, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
+            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W,
+            n_start if DEV_LEN else w_start, b_bound, b_zero + (n_start if DEV_LEN else w_start + W), b_own, m_row,
+            p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False, DEV_LEN,
         )  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,
@@ -433,8 +717,10 @@ def _coded_attention_fwd_kernel(
         _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
     else:
         p_begin = i_s * pages_per_split
-        p_end = tl.minimum(p_begin + pages_per_split, n_pages)
         b_nh = b_bound - hist_start  # history tokens row r reads
+        # pages any row of the block reads: a program past them exits at once (its partial reads nothing)
+        n_live = (tl.maximum(tl.max(tl.where(m_row, b_nh, 0), axis=0), 0) + PAGE - 1) // PAGE
+        p_end = tl.minimum(tl.minimum(p_begin + pages_per_split, n_pages), n_live)
         if COUNT:
             b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
             b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -442,14 +728,16 @@ def _coded_attention_fwd_kernel(
             # running max seed: the sink maximum, then the page maxima of the earlier splits
             b_run, b_unused, b_acc = _attend_dense(
                 b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
-                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero, b_zero + S,
-                b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, True,
+                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
+                b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
+                IEEE, True,
             )  # fmt: skip
             if READ_PREFIX:
                 p_pm = pmax_ptr + (i_bh * (G * Q) + o_r)[:, None] * n_pages
-                for pm0 in range(0, p_begin, BLOCK_PM):
+                p_seen = tl.minimum(p_begin, n_live)  # page maxima written by the earlier splits
+                for pm0 in range(0, p_seen, BLOCK_PM):
                     o_p = pm0 + tl.arange(0, BLOCK_PM)
-                    m_p = m_row[:, None] & (o_p < p_begin)[None, :]
+                    m_p = m_row[:, None] & (o_p < p_seen)[None, :]
                     b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"))
                     b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
         o_t0 = tl.arange(0, PAGE)
@@ -461,17 +749,32 @@ def _coded_attention_fwd_kernel(
                 b_run1 = tl.max(tl.where(o_r == 0, b_run, float("-inf")), axis=0)
             else:
                 b_run1 = 0.0
-            _codes_history_row1(
-                b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, o_ptr, lse_ptr, pmax_ptr, p_valid,
-                stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
-                hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
-                hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
-                hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
-                stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
-                (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
-                tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
-                D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
-            )  # fmt: skip
+            if WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
+                i32p: tl.constexpr = tl.pointer_type(tl.int32)
+                _codes_history_row1w(
+                    b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, qk_scale, o_ptr, lse_ptr,
+                    pmax_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
+                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                    (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
+                    (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
+                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, i_bh,
+                    (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
+                    tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, margin,
+                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
+                )  # fmt: skip
+            else:
+                _codes_history_row1(
+                    b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, o_ptr, lse_ptr, pmax_ptr, p_valid,
+                    stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
+                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                    hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
+                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
+                    (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
+                    tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
+                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
+                )  # fmt: skip
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]

@@ -32,10 +32,13 @@ __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
 
-ROW1_TUNING = {"enabled": True, "pages": 2, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8}
+ROW1_TUNING = {"enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True}
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
-software-pipelining depth, and the programs per SM the split count aims at when the batch alone does not fill the
-device (H200 sweep: `benchmarks/notes_coded_attention.md`, v3)."""
+software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
+device, and `words`: read codes as 32-bit words with the next step's tiles loaded ahead (`kernels._codes_history_row1w`,
+v4) instead of bytes (v3). v4 default: words, 1 page per step, 2 warps (fewest SASS instructions per code element for
+sm_90: 4.4 against v3's 7.0 with bytes, 2 pages, 2 warps, which `{"words": False, "pages": 2}` restores; H200 sweeps
+and counts: `benchmarks/notes_coded_attention.md`)."""
 
 
 @functools.cache
@@ -72,9 +75,10 @@ def _coded_attention_fwd(
     n_rblocks = -(-rows // block_r)
     dev = query.device
     dummy = new_k
+    static = view.device_lengths  # a static cache's step: lengths on the device, shapes fixed
     s_len = view.sink_length
     sk, sv = (view.sink_key, view.sink_value) if s_len else (dummy, dummy)
-    w_len = view.length - view.window_start
+    w_len = view.ring_capacity if static else view.length - view.window_start
     wk, wv = (view.window_key, view.window_value) if w_len else (dummy, dummy)
     hk_, hv_ = view.history_key, view.history_value
     fmt = view.history_nbits or 0
@@ -87,7 +91,11 @@ def _coded_attention_fwd(
         hk, hks, hkz = (hk_, None, None) if hk_ is not None else (dummy, None, None)
         hv, hvl, hvs, hvz = (hv_, None, None, None) if hv_ is not None else (dummy, None, None, None)
     # history positions any query may read: [S, min(S + T_hist, length))
-    hist_tokens = max(0, min(view.history_length, view.length - view.history_start))
+    # (static: every preallocated page; programs past the pages the bounds reach exit early)
+    if static:
+        hist_tokens = view.history_length
+    else:
+        hist_tokens = max(0, min(view.history_length, view.length - view.history_start))
     n_pages = -(-hist_tokens // page)
     base = b * hkv * n_rblocks
     use_vprec = v_precision_tau is not None and fmt == 4
@@ -97,6 +105,11 @@ def _coded_attention_fwd(
     n_groups = d // vgroup if fmt else 0
     row1 = bool(fmt) and rows == 1 and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
     row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"])
+    # v4: codes read as 32-bit words (value groups of 16k channels; every code tensor 4-byte aligned in all dims)
+    words = row1 and bool(tune.get("words")) and vgroup % 16 == 0 and not (vgroup // 16) & (vgroup // 16 - 1)
+    if words:
+        code_ts = [hk, hv] + ([hvl] if hvl is not None else [])
+        words = all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in code_ts)
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
     if n_pages == 0:
         ns = 0
@@ -130,6 +143,7 @@ def _coded_attention_fwd(
             pmax_ptr=pmax,
             bound_ptr=bound,
             valid_ptr=valid,
+            len_ptr=view.length if static else bound,
             sk_ptr=sk,
             sv_ptr=sv,
             wk_ptr=wk,
@@ -166,8 +180,8 @@ def _coded_attention_fwd(
             Q=q_len,
             S=s_len,
             W=w_len,
-            w_start=view.window_start,
-            n_start=view.length,
+            w_start=0 if static else view.window_start,
+            n_start=0 if static else view.length,
             hist_start=view.history_start,
             n_pages=n_pages,
             pages_per_split=max(pps, 1),
@@ -189,6 +203,8 @@ def _coded_attention_fwd(
             IEEE=query.dtype == torch.float32,
             ROW1=row1,
             NP=tune["pages"],
+            WORDS=words,
+            DEV_LEN=static,
         )
 
     launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]} if row1 else {}
@@ -258,6 +274,12 @@ def coded_attention(
     not a power of two >= 16, fp64), the reference. The kernel path reads every view tensor in place through its
     strides (no `.contiguous()`, no decoded copy) and never reads a value back to the host, so it does not re-check
     `history_end` against the view (the reference does).
+
+    With device-side lengths (`view.length` a device tensor: a static cache's decode step), the launch grid is sized
+    for every preallocated page and the split programs past the pages the bounds reach exit at once (the merge weighs
+    their empty partials by zero); the sink and the ring window are masked by the device length. Every launch then
+    has the same grid, arguments and addresses from step to step, so a CUDA graph can replay it; neither path reads a
+    device value on the host.
 
     Args:
         query (`torch.Tensor` of shape `[B, H_q, q, D]`): queries of the new tokens, in the view's dtype; `H_q` a

@@ -52,8 +52,9 @@ def _check_query(query: object, view: CellView) -> Tensor:
 
 
 def _check_bounds(view: CellView) -> None:
-    """`history_end` must keep every position read exactly once (see `CellView`); one host sync."""
-    if view.query_length == 0:
+    """`history_end` must keep every position read exactly once (see `CellView`); one host sync (none with
+    device-side lengths: those views are not checked)."""
+    if view.query_length == 0 or view.device_lengths:
         return
     lo = max(view.history_start, view.window_start) if view.length > view.history_start else view.length
     hi = min(view.history_start + view.history_length, view.length)
@@ -157,8 +158,9 @@ def reference_coded_attention(
     acc = torch.promote_types(query.dtype, torch.float32)
     device = query.device
     qf = query.to(acc).reshape(b, hkv, groups, q_len, d)
-    n = view.length
-    q_pos = torch.arange(n, n + q_len, device=device)  # [q]
+    static = view.device_lengths  # device-side lengths: masks instead of slices, no host read
+    n = view.length.reshape(()).to(device=device, dtype=torch.long) if static else view.length
+    q_pos = n + torch.arange(q_len, device=device)  # [q]
     valid = view.key_valid
     bound = view.history_end.to(device=device, dtype=torch.long)  # [B, q]
 
@@ -178,13 +180,17 @@ def reference_coded_attention(
     seed = None
     if view.sink_length:
         pos = torch.arange(view.sink_length, device=device)
-        s = masked(_scores(qf, view.sink_key.to(acc), scaling), visible(pos))
+        held = (pos < n)[None, None, None, None, :] if static else None  # a static sink may not be full yet
+        s = masked(_scores(qf, view.sink_key.to(acc), scaling), visible(pos, held))
         seed = s.amax(-1)  # [B, Hkv, G, q]: seeds the V-precision running maximum
         parts.add(s, view.sink_value.to(acc))
 
     # history, split by pages
     hist_len = view.history_length
-    read_len = min(hist_len, int(bound.max()) - view.history_start) if q_len and hist_len else 0
+    if static:  # every preallocated page; the bounds mask what is not read
+        read_len = hist_len if q_len else 0
+    else:
+        read_len = min(hist_len, int(bound.max()) - view.history_start) if q_len and hist_len else 0
     if read_len > 0:
         start = view.history_start
         page = view.page_size or 32
@@ -202,6 +208,8 @@ def reference_coded_attention(
             else:
                 k = view.history_key[:, :, a:z].to(acc)
             pos = torch.arange(start + a, start + z, device=device)
+            if static and valid is not None:  # preallocated pages may reach past the mask (the bounds hide them)
+                pos = pos.clamp(max=valid.shape[1] - 1)
             m = visible(pos, (pos[None, :] < bound[:, :, None])[:, None, None])  # [B, 1, 1, q, L]
             return masked(_scores(qf, k, scaling), m), m
 
@@ -246,7 +254,13 @@ def reference_coded_attention(
                 v_precision_stats.add_(counts.to(v_precision_stats.device))
 
     # window
-    if view.window_key is not None and view.window_key.shape[2]:
+    if view.window_key is not None and view.window_key.shape[2] and static:  # a ring: slot c holds position `pos[c]`
+        cap = view.window_key.shape[2]
+        pos = n - 1 - torch.remainder(n - 1 - torch.arange(cap, device=device), cap)
+        m = ((pos[None, :] >= bound[:, :, None]) & (pos >= 0)[None, None, :])[:, None, None]
+        m = m if valid is None else m & valid.gather(1, pos.clamp(min=0)[None].expand(b, -1))[:, None, None, None, :]
+        parts.add(masked(_scores(qf, view.window_key.to(acc), scaling), m), view.window_value.to(acc))
+    elif view.window_key is not None and view.window_key.shape[2]:
         pos = torch.arange(view.window_start, n, device=device)
         m = visible(pos, (pos[None, :] >= bound[:, :, None])[:, None, None])
         parts.add(masked(_scores(qf, view.window_key.to(acc), scaling), m), view.window_value.to(acc))

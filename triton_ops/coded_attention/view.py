@@ -25,6 +25,18 @@ Query `i` of row `b` (at position `length + i`) reads position `j` from
 
 and never a padded key (`key_valid[b, j]` False) except itself. So `history_end[b, i]` must lie in
 `[max(history_start, window_start), min(history_start + T_hist, length)]`; a query reads each position once.
+
+**Device-side lengths** (a static cache, whose decode step is captured in a CUDA graph): `length` is a one-element
+integer tensor on the device instead of an int, and every tensor keeps its shape and address from step to step:
+
+- the sink is the whole `[B, H_kv, S, D]` buffer (`S = history_start`); positions `>= length` are not read;
+- the history is every preallocated page; a query reads it below its `history_end` only (as always);
+- the window is a *ring* `[B, H_kv, C, D]` (`window_start` None): position `p` sits in slot `p % C`, and the ring
+  holds the `C` most recent positions below `length`, so slot `c` holds position
+  `length - 1 - ((length - 1 - c) mod C)`; a query reads the slots whose position is `>= history_end` (and `>= 0`).
+  `history_end >= length - C` is the caller's to keep (older positions are read from the history).
+
+Nothing about the view is then read back to the host: lengths, page counts and window boundaries are masks.
 """
 
 from __future__ import annotations
@@ -67,7 +79,8 @@ class CellView:
         new_key (`torch.Tensor` of shape `[B, H_kv, q, D]`): keys of the new tokens (positions `[length, length+q)`),
             in the model's dtype (bf16, fp16 or fp32); every other full-precision tensor has this dtype.
         new_value (`torch.Tensor` of shape `[B, H_kv, q, D]`): their values.
-        length (`int`): cached positions before the new tokens.
+        length (`int` or `torch.Tensor`): cached positions before the new tokens; a one-element integer tensor on
+            the device for device-side lengths (then the window is a ring and `window_start` is None: see above).
         history_end (`torch.Tensor` of shape `[B, q]`, integer dtype): per row and query, the end of the stretch read
             from the history (the engine's boundary `H(t)`, RIPE Eq. 9); from there on the window is read.
         sink_key (`torch.Tensor` of shape `[B, H_kv, S', D]`, *optional*): own keys of positions `[0, S')`,
@@ -79,9 +92,11 @@ class CellView:
             first page starting at `history_start`) or a full-precision plane. None when nothing is read from history.
         history_value (`QuantizedValues` or `torch.Tensor` `[B, H_kv, T_hist, D]`, *optional*): values of the same
             positions, of the same kind (codes with codes, a plane with a plane); INT4 codes carry the `hi`/`lo` planes.
-        window_start (`int`, *optional*, defaults to `length`): first position of the window.
+        window_start (`int`, *optional*, defaults to `length`): first position of the window (None with device-side
+            lengths).
         window_key (`torch.Tensor` of shape `[B, H_kv, length - window_start, D]`, *optional*): own keys of positions
-            `[window_start, length)`. None when the window is empty.
+            `[window_start, length)`. None when the window is empty. With device-side lengths: the ring
+            `[B, H_kv, C, D]`.
         window_value (`torch.Tensor` of shape `[B, H_kv, length - window_start, D]`, *optional*): their values.
         key_valid (`torch.BoolTensor` of shape `[B, >= length + q]`, *optional*): True where the position holds a
             real token; None when every position is real.
@@ -89,7 +104,7 @@ class CellView:
 
     new_key: Tensor
     new_value: Tensor
-    length: int
+    length: int | Tensor
     history_end: Tensor
     sink_key: Tensor | None = None
     sink_value: Tensor | None = None
@@ -106,6 +121,9 @@ class CellView:
             raise ValueError(f"`new_key` must be a [B, H_kv, q, D] tensor, got {getattr(self.new_key, 'shape', None)}")
         ref = self.new_key
         _check_kv_tensor(self.new_value, "new_value", ref, ref.shape[2])
+        if isinstance(self.length, Tensor):
+            self._check_device_lengths()
+            return
         for name in ("length", "history_start"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -178,7 +196,52 @@ class CellView:
                 f"{getattr(kv, 'dtype', type(kv).__name__)} {tuple(getattr(kv, 'shape', ()))}"
             )
 
+    def _check_device_lengths(self) -> None:
+        """Shapes only (reading a device value would sync): sink of `history_start` positions, a ring window."""
+        ref, length = self.new_key, self.length
+        if length.dtype.is_floating_point or length.dtype == torch.bool or length.numel() != 1:
+            raise TypeError(f"a tensor `length` must hold one integer, got {length.dtype} {tuple(length.shape)}")
+        if isinstance(self.history_start, bool) or not isinstance(self.history_start, int) or self.history_start < 0:
+            raise ValueError(f"`history_start` must be a non-negative int, got {self.history_start!r}")
+        if self.window_start is not None:
+            raise ValueError("with a tensor `length` the window is a ring: `window_start` must be None")
+        pairs = (("sink", self.sink_key, self.sink_value), ("window", self.window_key, self.window_value))
+        for name, k, v in pairs:
+            if (k is None) != (v is None):
+                raise ValueError(f"`{name}_key` and `{name}_value` must both be given or both be None")
+        if self.history_start and self.sink_key is None:
+            raise ValueError(f"the sink holds positions [0, {self.history_start}): `sink_key`/`sink_value` are needed")
+        if self.sink_key is not None:
+            _check_kv_tensor(self.sink_key, "sink_key", ref, self.history_start)
+            _check_kv_tensor(self.sink_value, "sink_value", ref, self.history_start)
+        if self.window_key is not None:
+            _check_kv_tensor(self.window_key, "window_key", ref)
+            _check_kv_tensor(self.window_value, "window_value", ref, self.window_key.shape[2])
+        hk, hv = self.history_key, self.history_value
+        if (hk is None) != (hv is None) or isinstance(hk, QuantizedKeys) != isinstance(hv, QuantizedValues):
+            raise TypeError("`history_key` / `history_value` must both be codes, both tensors, or both None")
+        if isinstance(hk, Tensor):
+            _check_kv_tensor(hk, "history_key", ref)
+            _check_kv_tensor(hv, "history_value", ref, hk.shape[2])
+        b, q = ref.shape[0], ref.shape[2]
+        he = self.history_end
+        if not isinstance(he, Tensor) or he.dtype.is_floating_point or tuple(he.shape) != (b, q):
+            raise ValueError(f"`history_end` must be an integer tensor of shape [B, q] = [{b}, {q}], got {he!r}")
+        kv = self.key_valid
+        if kv is not None and (kv.dtype != torch.bool or kv.ndim != 2 or kv.shape[0] != b):
+            raise ValueError(f"`key_valid` must be a bool tensor of shape [B, >= length + q], got {kv!r}")
+
     # ------------------------------------------------------------------------------------------------ derived
+    @property
+    def device_lengths(self) -> bool:
+        """True when `length` is a device tensor (sink buffer, all pages, a ring window; see the module docstring)."""
+        return isinstance(self.length, Tensor)
+
+    @property
+    def ring_capacity(self) -> int:
+        """Slots of the ring window (device-side lengths), 0 without one."""
+        return 0 if self.window_key is None else self.window_key.shape[2]
+
     @property
     def batch_size(self) -> int:
         return self.new_key.shape[0]

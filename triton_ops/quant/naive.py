@@ -156,7 +156,13 @@ def pack_codes(codes: Tensor, nbits: int) -> Tensor:
         raise ValueError(f"the last dim of `codes` ({width}) must be a multiple of {per_byte} for nbits={nbits}")
     if codes.numel() and int(codes.max()) >= 2**nbits:
         raise ValueError(f"`codes` must lie in [0, {2**nbits - 1}] for nbits={nbits}, got max {int(codes.max())}")
-    grouped = codes.reshape(*codes.shape[:-1], width // per_byte, per_byte)
+    return _pack(codes, nbits)
+
+
+def _pack(codes: Tensor, nbits: int) -> Tensor:
+    """`pack_codes` without its checks (the quantizers' codes are clamped to the range already; no host read)."""
+    per_byte = 8 // nbits
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     packed = grouped[..., 0].clone()
     for j in range(1, per_byte):
         packed |= grouped[..., j] << (nbits * j)
@@ -443,7 +449,12 @@ class QuantizedValues:
 
 
 def quantize_keys(
-    x: Tensor, nbits: int, *, group_size: int = DEFAULT_GROUP_SIZE, valid: Tensor | None = None
+    x: Tensor,
+    nbits: int,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    valid: Tensor | None = None,
+    check_finite: bool = True,
 ) -> QuantizedKeys:
     """Quantize keys per channel over pages of `group_size` consecutive tokens.
 
@@ -468,7 +479,8 @@ def quantize_keys(
     Raises:
         TypeError: `x` is not a floating-point tensor, `nbits`/`group_size` not ints, `valid` not a bool tensor.
         ValueError: `nbits` not in {2, 4}, `x` not 4-D, `T` not a multiple of `group_size`, `D` not packable,
-            `valid` of the wrong shape, or a valid group with non-finite/out-of-fp16-range values.
+            `valid` of the wrong shape, or a valid group with non-finite/out-of-fp16-range values (unless
+            `check_finite=False`: the check reads a flag back from the device, which a captured decode step must not).
     """
     x = _check_kv(x)
     nbits = _check_nbits(nbits)
@@ -494,9 +506,10 @@ def quantize_keys(
         mn = torch.where(any_valid, mn, zero32)
         mx = torch.where(any_valid, mx, zero32)
     scale, zero = _affine_params(mn, mx, nbits)  # [B, H, G, D]
-    _check_finite_params(scale, zero, "x")
+    if check_finite:
+        _check_finite_params(scale, zero, "x")
     codes = _encode(x32, scale.unsqueeze(3), zero.unsqueeze(3), nbits).reshape(b, h, t, d)
-    return QuantizedKeys(codes=pack_codes(codes, nbits), scale=scale, zero=zero, nbits=nbits, group_size=group_size)
+    return QuantizedKeys(codes=_pack(codes, nbits), scale=scale, zero=zero, nbits=nbits, group_size=group_size)
 
 
 def dequantize_keys(qk: QuantizedKeys, *, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -539,7 +552,12 @@ def fake_quantize_keys(
 
 
 def quantize_values(
-    x: Tensor, nbits: int, *, group_size: int = DEFAULT_GROUP_SIZE, valid: Tensor | None = None
+    x: Tensor,
+    nbits: int,
+    *,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    valid: Tensor | None = None,
+    check_finite: bool = True,
 ) -> QuantizedValues:
     """Quantize values per token over groups of `group_size` consecutive channels.
 
@@ -575,13 +593,14 @@ def quantize_values(
 
     x32 = x.to(torch.float32).reshape(b, h, t, d // group_size, group_size)
     scale, zero = _affine_params(x32.amin(dim=4), x32.amax(dim=4), nbits)  # [B, H, T, D // gs]
-    _check_finite_params(scale, zero, "x")
+    if check_finite:
+        _check_finite_params(scale, zero, "x")
     codes = _encode(x32, scale.unsqueeze(4), zero.unsqueeze(4), nbits).reshape(b, h, t, d)
     if nbits == 4:
-        hi = pack_codes(codes >> 2, _VALUE_PLANE_BITS)
-        lo: Tensor | None = pack_codes(codes & 3, _VALUE_PLANE_BITS)
+        hi = _pack(codes >> 2, _VALUE_PLANE_BITS)
+        lo: Tensor | None = _pack(codes & 3, _VALUE_PLANE_BITS)
     else:
-        hi, lo = pack_codes(codes, _VALUE_PLANE_BITS), None
+        hi, lo = _pack(codes, _VALUE_PLANE_BITS), None
     return QuantizedValues(hi=hi, lo=lo, scale=scale, zero=zero, nbits=nbits, group_size=group_size)
 
 

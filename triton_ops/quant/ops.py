@@ -134,8 +134,7 @@ def quantize_keys(
             the page minima and maxima.
         check_finite (`bool`, *optional*, defaults to True): raise `ValueError` when a group's scale or zero point is
             not finite (an input outside the fp16 range). The check reads one flag back from the device (a sync);
-            a caller that guarantees finite inputs on a hot path may switch it off (the kernel path only: the
-            reference always checks).
+            a caller that guarantees finite inputs on a hot path may switch it off (both paths).
 
     Returns:
         `QuantizedKeys` with contiguous `codes` `[B, H, T, D * nbits // 8]` and fp16 `scale` / `zero`
@@ -150,7 +149,7 @@ def quantize_keys(
     nbits = _check_nbits(nbits)
     group_size = _check_positive_int(group_size, "group_size")
     if not use_triton("quantize_keys", x):
-        return naive.quantize_keys(x, nbits, group_size=group_size, valid=valid)
+        return naive.quantize_keys(x, nbits, group_size=group_size, valid=valid, check_finite=check_finite)
     b, _, t, d = x.shape
     if t % group_size:
         raise ValueError(f"keys are quantized per page: `T` ({t}) must be a multiple of `group_size` ({group_size})")
@@ -190,7 +189,7 @@ def quantize_values(
     nbits = _check_nbits(nbits)
     group_size = _check_positive_int(group_size, "group_size")
     if not use_triton("quantize_values", x):
-        return naive.quantize_values(x, nbits, group_size=group_size, valid=valid)
+        return naive.quantize_values(x, nbits, group_size=group_size, valid=valid, check_finite=check_finite)
     b, _, t, d = x.shape
     if d % group_size:
         raise ValueError(

@@ -5,6 +5,8 @@
 - `SharedLayer`: full-precision sink and window, the history read from a source cell's storage (`share`).
 - `StaticDenseLayer`, `StaticSharedLayer`: `bf16` and `share` cells of a static cache (preallocated storage, writes
   and reads at device-side positions, so a decode step can be captured).
+- `StaticCodedLayer`, `StaticCodedSharedLayer`: `int4` / `int2` cells and `share` cells with a sink or a coded source
+  of a static cache (BF16 sink, a ring window, preallocated codes, the page flush inside the step).
 
 `WindowedLayer` is what coded and shared cells share (sink, window, the reading rule); `LoopLayerBase` the contract.
 """
@@ -14,6 +16,7 @@ from hf_loopcache.cache.layers.coded import CodedLayer
 from hf_loopcache.cache.layers.dense import DenseLayer
 from hf_loopcache.cache.layers.shared import SharedLayer
 from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer
+from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.layers.windowed import WindowedLayer
 
 __all__ = [
@@ -21,6 +24,8 @@ __all__ = [
     "DenseLayer",
     "LoopLayerBase",
     "SharedLayer",
+    "StaticCodedLayer",
+    "StaticCodedSharedLayer",
     "StaticDenseLayer",
     "StaticSharedLayer",
     "WindowedLayer",

@@ -149,8 +149,8 @@ class CodedLayer(WindowedLayer):
 
     def reserve(self, max_length: int) -> None:
         super().reserve(max_length)
-        if self.length == 0:
-            self.pages.reserve_pages = max(0, (int(max_length) - self.sink) // self.page)
+        if self.length == 0:  # codes end at the read boundary `H(max_length)`: the window's positions are never coded
+            self.pages.reserve_pages = max(0, (int(max_length) - self.sink - self.window) // self.page)
 
     def select_batch(self, index: torch.Tensor) -> None:
         super().select_batch(index)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hf_loopcache.attention import dense_attention
 from hf_loopcache.cache.layers.base import LoopLayerBase
+from triton_ops.coded_attention import CellView, coded_attention
 
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
@@ -163,8 +164,9 @@ class StaticDenseLayer(_StaticStorage):
     """
 
     is_compileable = True
-    #: how a read over the storage is computed: `"sdpa"` (`scaled_dot_product_attention` with the boolean mask) or
-    #: `"matmul"` (`masked_attention`: two matmuls and an fp32 softmax)
+    #: how a read over the storage is computed: `"sdpa"` (`scaled_dot_product_attention` with the boolean mask),
+    #: `"kernel"` (`triton_ops.coded_attention` over the buffer as a BF16 history up to the device-side length: reads
+    #: only the live positions) or `"matmul"` (`masked_attention`: two matmuls and an fp32 softmax)
     read_method = "sdpa"
 
     def __init__(self, max_batch_size: int, max_cache_len: int) -> None:
@@ -228,6 +230,18 @@ class StaticDenseLayer(_StaticStorage):
                 raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
             mask = static_mask(positions, read.static_valid[: self.rows])
         groups = query.shape[1] // k.shape[1]
+        if self.read_method == "kernel":  # the stored plane as a BF16 history, read to a device-side length
+            rows, q = query.shape[0], query.shape[2]
+            view = CellView(
+                new_key=key,
+                new_value=value,
+                length=positions[:1],
+                history_end=positions[:1].expand(rows, q),
+                history_key=k,
+                history_value=v,
+                key_valid=read.static_valid[:rows] if read.static_valid is not None else None,
+            )
+            return coded_attention(query, view, scaling=read.scaling)[0]
         if self.read_method == "matmul":
             return masked_attention(query, [(k, v, group_rows(mask, groups))], scaling=read.scaling)
         if read.static_mask is not None:  # the forward's mask as an additive bias, made once for every dense cell
@@ -323,6 +337,10 @@ class StaticSharedLayer(_StaticStorage):
     """
 
     is_compileable = True
+    #: build the static shared cells of RIPE plans as `StaticCodedSharedLayer`s instead (`coded_attention` reading the
+    #: source's BF16 storage in place, no copy), as plans with a sink always are; this class's SDPA read concatenates
+    #: the source and the ring, a copy of the source's keys and values per cell and step
+    read_in_place = False
 
     def __init__(
         self,

@@ -27,7 +27,15 @@ from hf_loopcache.cache.storage import SeqBuffer, page_floor
 from triton_ops.coded_attention import CellView, coded_attention
 from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values
 
-__all__ = ["WindowedLayer"]
+__all__ = ["WindowedLayer", "window_capacity"]
+
+
+def window_capacity(window: int, page_size: int, rollback: int) -> int:
+    """Positions a windowed cell's full-precision window allocates: the most it holds (`W + P - 1 + rollback` after a
+    write, one more while a token arrives) plus a quarter of that (at least a page) of dead room, so that the window
+    is compacted in place every few tokens by a few copies instead of holding twice its size."""
+    live = window + page_size + rollback
+    return live + max(page_size, live // 4)
 
 
 class WindowedLayer(LoopLayerBase):
@@ -258,7 +266,7 @@ class WindowedLayer(LoopLayerBase):
 
     def reserve(self, max_length: int) -> None:
         if self.length == 0:
-            self.recent.reserve = min(int(max_length), 2 * (self.window + self.page + self.rollback))
+            self.recent.reserve = min(int(max_length), window_capacity(self.window, self.page, self.rollback))
 
     def _map_batch(self, fn):
         self.sink_buf.map_batch(fn)

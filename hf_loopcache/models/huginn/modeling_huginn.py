@@ -39,10 +39,12 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
+    by_token_chunks,
     check_num_loops,
     default_cache,
 )
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
+from triton_ops import fused
 
 __all__ = ["HuginnCausalLMOutput", "HuginnForCausalLM", "HuginnPreTrainedModel"]
 
@@ -53,14 +55,6 @@ def _rope_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> tupl
     )
     freqs = position_ids.float()[..., None] * inv_freq  # [B, q, D/2]
     return freqs.cos()[:, :, None], freqs.sin()[:, :, None]  # [B, q, 1, D/2]
-
-
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of `x` `[B, q, H, D]` in fp32; returns `x`'s dtype."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    re, im = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2)
-    return out.type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -83,10 +77,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, q_len, self.n_head, self.head_dim)
         k = k.view(b, q_len, self.n_kv_heads, self.head_dim)
         v = v.view(b, q_len, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "qk_bias"):
-            q_bias, k_bias = self.qk_bias.split(1, dim=0)
-            q, k = (q + q_bias).to(q.dtype), (k + k_bias).to(q.dtype)
-        q, k = _rotate_pairs(q, *rope), _rotate_pairs(k, *rope)
+        q_bias, k_bias = self.qk_bias.split(1, dim=0) if hasattr(self, "qk_bias") else (None, None)
+        q, k = fused.rotate_pairs(q, *rope, bias=q_bias), fused.rotate_pairs(k, *rope, bias=k_bias)
+        if q_len > 1:  # own the values, so the fused projection's output (3 hidden states a token) is freed here
+            v = v.contiguous()
         y = state.attend(slot, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(y.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -100,7 +94,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(self.nonlin(gate) * up)
+        return self.proj(fused.silu_mul(gate, up))  # one kernel on CUDA (`triton_ops.fused`)
 
 
 class SandwichBlock(nn.Module):
@@ -116,8 +110,8 @@ class SandwichBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
-        x = self.norm_2(self.attn(self.norm_1(x), rope, state, slot) + x)
-        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+        x = self.norm_2(self.attn(self.norm_1(x), rope, state, slot), add_before=x)
+        return by_token_chunks(lambda h: self.norm_4(self.mlp(self.norm_3(h)), add_before=h), x)
 
 
 class HuginnPreTrainedModel(PreTrainedModel):

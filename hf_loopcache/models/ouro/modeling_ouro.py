@@ -33,17 +33,14 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
+    by_token_chunks,
     check_num_loops,
     default_cache,
 )
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
+from triton_ops import fused
 
 __all__ = ["OuroForCausalLM", "OuroModel", "OuroModelOutput", "OuroPreTrainedModel"]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class OuroRotaryEmbedding(nn.Module):
@@ -72,8 +69,11 @@ class OuroMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act == "silu":  # one kernel on CUDA (`triton_ops.fused`)
+            return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -93,12 +93,12 @@ class OuroAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
-        query = self.q_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        key = self.k_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        query = self.q_proj(x).view(b, q_len, -1, self.head_dim)
+        key = self.k_proj(x).view(b, q_len, -1, self.head_dim)
         value = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope[0][:, None].to(query.dtype), rope[1][:, None].to(query.dtype)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        cos, sin = rope[0].to(query.dtype), rope[1].to(query.dtype)
+        query = fused.rotate_half(query, cos, sin).transpose(1, 2)
+        key = fused.rotate_half(key, cos, sin).transpose(1, 2)
         out = state.attend(slot, query, key, value)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -116,8 +116,10 @@ class OuroDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+        x = self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot), add_after=x)
+        return by_token_chunks(
+            lambda h: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)), add_after=h), x
+        )
 
 
 class OuroPreTrainedModel(PreTrainedModel):
@@ -190,11 +192,17 @@ class OuroModel(OuroPreTrainedModel):
         return_dict: bool | None = None,
         cache: Any = None,
         cache_position: torch.Tensor | None = None,
+        loop_states_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> OuroModelOutput | tuple:
         r"""
         Args:
             num_loops (`int`, *optional*): loops to run; defaults to `config.total_ut_steps`. A draft runs fewer.
+            loop_states_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0): positions at which
+                `loop_hidden_states` and `exit_gate_logits` are kept, as `logits_to_keep` selects them (the last `n`,
+                or a 1-D tensor of indices; 0 keeps all). `OuroForCausalLM` passes its `logits_to_keep`, so a prefill
+                does not hold every loop's state of the whole prompt until the exit is taken (`R - 1` hidden states
+                of the prompt; 96 MiB per 8K row on Ouro-1.4B in bf16).
             past_key_values / cache (`transformers.Cache`, *optional*): the cache; both names are accepted. With
                 `use_cache=True` (or `config.use_cache` outside training) and none given, a `FullLoopCache` is built.
             output_hidden_states (`bool`, *optional*): return `hidden_states`, `1 + R * L` tensors `[B, q, hidden]`:
@@ -231,6 +239,7 @@ class OuroModel(OuroPreTrainedModel):
         all_hidden: list[torch.Tensor] | None = [hidden] if flags.hidden_states else None
         loop_hidden: list[torch.Tensor] = []
         gate_logits: list[torch.Tensor] = []
+        keep = _positions(loop_states_to_keep)
         for loop in range(num_loops):
             for layer_idx, layer in enumerate(self.layers):
                 hidden = layer(hidden, rope, state, loop * n_layers + layer_idx)
@@ -239,9 +248,10 @@ class OuroModel(OuroPreTrainedModel):
             hidden = self.norm(hidden)
             if all_hidden is not None:
                 all_hidden[-1] = hidden
-            loop_hidden.append(hidden)
+            kept = keep(hidden)
+            loop_hidden.append(kept)
             if use_early_exit_gate:
-                gate_logits.append(self.early_exit_gate(hidden))
+                gate_logits.append(self.early_exit_gate(kept))
         output = OuroModelOutput(
             last_hidden_state=hidden,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
@@ -251,6 +261,13 @@ class OuroModel(OuroPreTrainedModel):
             **{OUTPUT_CACHE_FIELD: cache},
         )
         return flags.finish(output)
+
+
+def _positions(to_keep: int | torch.Tensor) -> Any:
+    """`t[:, positions]` as `logits_to_keep` names them (an int: the last n, 0 for all; a tensor: indices)."""
+    if isinstance(to_keep, int):  # a copy: a view would keep the whole state alive
+        return lambda t: t[:, -to_keep:].clone() if 0 < to_keep < t.shape[1] else t
+    return lambda t: t.index_select(1, to_keep.to(t.device))
 
 
 def exit_distribution(gate_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -345,13 +362,9 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             output_attentions=flags.attentions,
             output_hidden_states=flags.hidden_states,
             return_dict=True,
+            loop_states_to_keep=logits_to_keep,  # the loops' states only where logits are taken
         )
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-
-        def select(t: torch.Tensor) -> torch.Tensor:
-            return t[:, keep] if isinstance(keep, slice) else t.index_select(1, keep.to(t.device))
-
-        loop_hidden = tuple(select(h) for h in outputs.loop_hidden_states)
+        loop_hidden = outputs.loop_hidden_states
         exit_at_step = exit_at_step if exit_at_step is not None else self.config.early_exit_step
         exit_threshold = exit_threshold if exit_threshold is not None else self.config.early_exit_threshold
         if exit_at_step is not None and not -len(loop_hidden) <= exit_at_step < len(loop_hidden):
@@ -359,7 +372,7 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
                 f"`exit_at_step` must be in [0, {len(loop_hidden) - 1}] for {len(loop_hidden)} loops, got {exit_at_step}"
             )
         gates = outputs.exit_gate_logits
-        pdf = exit_distribution(tuple(select(g) for g in gates)) if gates else None
+        pdf = exit_distribution(gates) if gates else None
 
         def expected_logits() -> torch.Tensor:
             total = None

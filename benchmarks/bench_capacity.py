@@ -1,0 +1,398 @@
+"""Capacity: the largest batch that prefills and decodes in a memory budget, beside what the cache's stored bytes predict.
+
+For each shape x context x cache (the caches of `bench_generate.CACHES`):
+
+1. a **batch-1 probe**: `model.generate` of `context - new_tokens` random prompt tokens plus `new_tokens` greedy tokens
+   with a fresh cache. It gives the stored bytes per row at the context (`cache.stored_bytes()`, measured; the plan's
+   byte model beside it) and the **workspace**: the probe's peak minus the weights and the bytes stored (activations,
+   logits, allocator rounding: the memory a generate needs beyond what the cache keeps);
+2. the **prediction**: `floor((budget - weights - workspace) / (stored bytes per token x context))` (the workspace
+   stated as a constant), and beside it the other bracket, `floor((budget - weights) / (stored bytes per row +
+   workspace))` (all of it per row: a one-pass exact prefill holds one layer call's activations of every row's prompt);
+3. the **search**: probes at batch b (each a fresh cache; out-of-memory caught as `torch.OutOfMemoryError`; cache,
+   outputs and the allocator's cache freed between probes), from the prediction, then up or down by steps that
+   double (an eighth of the prediction first), then bisection until the gap between the largest batch that fits
+   and the smallest that does not is at most `--resolution` of it. Every probe is recorded: batch, ok / oom, peak
+   GiB, stored GiB, seconds, aggregate decode tok/s (the `new_tokens - 1` decode steps, timed on the device by a
+   logits processor that synchronises once per step).
+
+The budget is the GPU's memory (`--budget-gib`, default its total), enforced with
+`torch.cuda.set_per_process_memory_fraction`, so a run with a smaller stated budget finds the batch that budget holds.
+Peaks are `torch.cuda.max_memory_allocated` (reset per probe); on CPU (micro shapes: the benchmark's own check) the
+live tensor bytes of `benchmarks.memtrack.LiveBytes`, a peak above the budget counting as out of memory. Each row also reports a straight-line fit of peak against batch over the probes
+that fit (`fit_fixed_gib`, `fit_per_row_gib`): the per-row slope minus the stored bytes per row is the transient
+that grows with the batch. The result file (`benchmarks/results/<out>.json`) is rewritten after every probe (the row
+in progress marked so); `--deadline-s` starts no probe that would end past it (its time estimated from the slowest
+seconds per row so far), so a run stops cleanly with what finished. Huginn runs with `init_scale=0.0`.
+
+Run on one H200 (a probe costs about its prefill, `batch x context` tokens; a stated budget below the GPU's memory
+makes the batches, and so the probes, smaller while measured / predicted stays the quantity of interest). Estimated,
+not measured: about 4-5 min for the first, 5-6 for the second, 4-5 for the third (`--deadline-s` bounds each):
+
+    python -m benchmarks.run capacity --shapes ouro-1.4b --contexts 8192 --budget-gib 48 --resolution 0.1 \
+        --max-probes 5 --deadline-s 500 --out capacity_ouro_8k
+    python -m benchmarks.run capacity --shapes ouro-1.4b --contexts 32768 --budget-gib 48 --resolution 0.1 \
+        --max-probes 5 --deadline-s 500 --out capacity_ouro_32k
+    python -m benchmarks.run capacity --shapes huginn-0125 --caches full ripe64 --contexts 8192 --budget-gib 64 \
+        --resolution 0.1 --max-probes 4 --deadline-s 500 --out capacity_huginn_8k
+
+On CPU (micro shapes, the budget emulated): `--shapes micro-ouro --device cpu --dtype float32 --budget-gib 0.03
+--contexts 512`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from benchmarks.bench_generate import CACHES
+from benchmarks.common import build, write_rows
+from benchmarks.memtrack import LiveBytes
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+DEFAULT_CACHES = ("full", "ripe64", "deepest", "kivi4", "kivi4-share", "hand")
+GIB = 2**30
+
+
+class _StepClock(LogitsProcessor):
+    """Wall time at each generated token (after a device synchronisation): step 0 ends the prefill."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def probe(
+    model: Any,
+    shape: str,
+    cache_name: str,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    device: str,
+    *,
+    limit_bytes: int | None = None,
+) -> dict:
+    """One generate at `batch` rows: `context - new_tokens` prompt tokens, then `new_tokens` greedy tokens, a fresh
+    cache. Returns `{"batch", "status": "ok" | "oom", "peak_gib", "stored_gib", "seconds", "decode_tokens_per_s"}`;
+    the peak is above what was allocated before the probe (the weights). Off CUDA, a peak above `limit_bytes` counts
+    as out of memory (the budget emulated; on CUDA the allocator enforces it)."""
+    prompt = context - new_tokens
+    extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
+    record: dict[str, Any] = {"batch": batch}
+    start = time.perf_counter()
+    tracker = LiveBytes() if not device.startswith("cuda") else None
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    clock = _StepClock(device)
+
+    def generate() -> int:  # its own frame: an out-of-memory traceback holds nothing once it is dropped
+        torch.manual_seed(batch)
+        ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
+        cache = CACHES[cache_name](model)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+            **extra,
+        )
+        _sync(device)
+        return cache.stored_bytes()
+
+    stored, failed = None, None
+    try:
+        if tracker is not None:
+            tracker.__enter__()
+        stored = generate()
+    except torch.OutOfMemoryError as err:
+        failed = str(err).splitlines()[0][:160]
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    record["status"] = "oom" if failed else "ok"
+    if failed:
+        record["error"] = failed
+    if device.startswith("cuda"):
+        record["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 3)
+    else:
+        record["peak_gib"] = round(tracker.peak / GIB, 6)  # type: ignore[union-attr]
+        if not failed and limit_bytes is not None and tracker.peak > limit_bytes:  # type: ignore[union-attr]
+            record.update(status="oom", error="peak above the budget (emulated off CUDA)")
+            failed = record["error"]
+    record["stored_gib"] = None if stored is None else round(stored / GIB, 6)
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    if not failed and len(clock.times) >= 2:
+        decode = clock.times[-1] - clock.times[0]
+        record["decode_tokens_per_s"] = round(batch * (len(clock.times) - 1) / decode, 1) if decode > 0 else None
+    free_memory(device)
+    return record
+
+
+def search(
+    try_batch: Callable[[int], dict],
+    start: int,
+    *,
+    resolution: float = 0.03,
+    max_probes: int = 12,
+    out_of_time: Callable[[int], bool] = lambda batch: False,
+    known: dict[int, dict] | None = None,
+) -> tuple[int, list[dict]]:
+    """The largest batch for which `try_batch(b)["status"] == "ok"`, from `start`: up (or down) by steps that double,
+    from an eighth of `start`, until the other side is found; then bisection until `hi - lo <= resolution * lo`
+    (`hi` the smallest batch seen failing). `known` holds probes already made (batch -> record). Returns the largest
+    batch that fit (0 if none) and the probes made, in order. Stops early after `max_probes` or when
+    `out_of_time(batch)` says a probe at `batch` would end past the deadline."""
+    seen: dict[int, dict] = dict(known or {})
+    probes: list[dict] = []
+
+    def ok(b: int) -> bool | None:
+        if b not in seen:
+            if len(probes) >= max_probes or out_of_time(b):
+                return None
+            seen[b] = try_batch(b)
+            probes.append(seen[b])
+        return seen[b]["status"] == "ok"
+
+    start = max(1, int(start))
+    step = max(1, start // 8)
+    lo, hi = 0, None  # largest known to fit, smallest known to fail
+    first = ok(start)
+    if first is None:
+        return 0, probes
+    if first:
+        lo = start
+        while hi is None:
+            b = lo + step
+            result = ok(b)
+            if result is None:
+                return lo, probes
+            if result:
+                lo, step = b, step * 2
+            else:
+                hi = b
+    else:
+        hi = start
+        while lo == 0 and hi > 1:
+            b = max(1, hi - step)
+            result = ok(b)
+            if result is None:
+                return lo, probes
+            if result:
+                lo = b
+            else:
+                hi, step = b, step * 2
+        if lo == 0:
+            return 0, probes
+    while hi - lo > max(1, math.floor(resolution * lo)):
+        b = (lo + hi) // 2
+        result = ok(b)
+        if result is None:
+            break
+        if result:
+            lo = b
+        else:
+            hi = b
+    return lo, probes
+
+
+def _fit(probes: list[dict]) -> tuple[float | None, float | None]:
+    """Least-squares `peak = fixed + per_row * batch` over the probes that fit (None with fewer than 2 batches)."""
+    points = [(p["batch"], p["peak_gib"]) for p in probes if p["status"] == "ok" and p.get("peak_gib") is not None]
+    if len({b for b, _ in points}) < 2:
+        return None, None
+    n = len(points)
+    mb, mp = sum(b for b, _ in points) / n, sum(p for _, p in points) / n
+    slope = sum((b - mb) * (p - mp) for b, p in points) / sum((b - mb) ** 2 for b, _ in points)
+    return round(mp - slope * mb, 3), round(slope, 4)
+
+
+def run_cache(
+    model: Any,
+    shape: str,
+    cache_name: str,
+    context: int,
+    *,
+    budget_bytes: int,
+    weights_bytes: int,
+    new_tokens: int,
+    device: str,
+    resolution: float = 0.03,
+    max_probes: int = 12,
+    out_of_time: Callable[[float], bool] = lambda seconds: False,
+    progress: Callable[[dict], None] = lambda row: None,
+) -> dict:
+    """One row: the batch-1 probe, the prediction, the search, the largest batch and its decode tok/s.
+    `out_of_time(seconds)` says whether work expected to take `seconds` would end past the deadline (a probe's time
+    is estimated from the slowest seconds per row seen so far); `progress(row)` gets the row after every probe."""
+    row: dict[str, Any] = {
+        "shape": shape,
+        "cache": cache_name,
+        "context": context,
+        "prompt": context - new_tokens,
+        "new_tokens": new_tokens,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "layout": model.loop_layout.describe(),
+        "budget_gib": round(budget_bytes / GIB, 3),
+        "weights_gib": round(weights_bytes / GIB, 3),
+    }
+    plan = CACHES[cache_name](model).plan
+    row["stored_bytes_per_token_model"] = round(
+        plan.expected_stored_bytes(context) / context * next(model.parameters()).element_size()
+        / plan.layout.bytes_per_element, 1
+    )
+    if out_of_time(0.0):
+        row["status"] = "deadline"
+        return row
+    limit = budget_bytes - weights_bytes
+    one = probe(model, shape, cache_name, 1, context, new_tokens, device, limit_bytes=limit)
+    row["probe_batch_1"] = one
+    if one["status"] != "ok":
+        row.update(status="batch 1 does not fit", largest_batch=0, probes=[one])
+        return row
+    stored_row = one["stored_gib"] * GIB
+    workspace = one["peak_gib"] * GIB - stored_row
+    row["stored_bytes_per_token"] = round(stored_row / context, 1)
+    row["stored_gib_per_row"] = round(stored_row / GIB, 3)
+    row["workspace_gib"] = round(workspace / GIB, 3)
+    predicted = max(0, math.floor((budget_bytes - weights_bytes - workspace) / stored_row))
+    row["predicted_batch"] = predicted
+    # the other bracket: the whole batch-1 workspace counted per row (activations of a one-pass prefill grow with it)
+    row["predicted_batch_workspace_per_row"] = max(0, math.floor((budget_bytes - weights_bytes) / (stored_row + workspace)))
+    row["probes"] = [one]
+    rate = [one["seconds"]]  # seconds per row, the slowest seen
+
+    def try_batch(b: int) -> dict:
+        record = probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit)
+        rate[0] = max(rate[0], record["seconds"] / b)
+        row["probes"].append(record)
+        progress(row)
+        return record
+
+    cut = []
+
+    def late(b: int) -> bool:
+        if out_of_time(b * rate[0]):
+            cut.append(b)
+            return True
+        return False
+
+    largest, _ = search(
+        try_batch, max(1, predicted), resolution=resolution, max_probes=max_probes, out_of_time=late, known={1: one}
+    )
+    probes = row.pop("probes")
+    fits = [p for p in probes if p["status"] == "ok"]
+    fails = [p["batch"] for p in probes if p["status"] != "ok"]
+    best = max(fits, key=lambda p: p["batch"])
+    largest = max(largest, best["batch"])  # a search cut short before its first probe still has batch 1
+    row.update(
+        status="ok" if not cut else f"deadline: the search stopped before a probe at batch {cut[0]}",
+        largest_batch=largest,
+        smallest_failing_batch=min(fails) if fails else None,
+        measured_over_predicted=round(largest / predicted, 3) if predicted else None,
+        peak_gib_at_largest=best["peak_gib"],
+        decode_tokens_per_s_at_largest=best.get("decode_tokens_per_s"),
+        probes=probes,
+    )
+    row["fit_fixed_gib"], row["fit_per_row_gib"] = _fit(probes)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"], help="model shapes")
+    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=sorted(CACHES), help="caches")
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768], help="prompt + new tokens")
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per probe (decode timed over n-1)")
+    parser.add_argument("--budget-gib", type=float, default=None, help="memory budget (default: the GPU's total)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no probe after this many seconds")
+    parser.add_argument("--resolution", type=float, default=0.03, help="stop bisecting at this gap / largest batch")
+    parser.add_argument("--max-probes", type=int, default=12, help="probes per row beyond the batch-1 probe")
+    parser.add_argument("--dtype", default="bfloat16", help="model dtype")
+    parser.add_argument("--device", default="cuda", help="torch device")
+    parser.add_argument("--out", default="capacity", help="result file name under benchmarks/results/")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        raise SystemExit(f"--new-tokens must be >= 2 (one decode step to time), got {args.new_tokens}")
+    if args.max_probes < 1:
+        raise SystemExit(f"--max-probes must be >= 1, got {args.max_probes}")
+    if any(c <= args.new_tokens for c in args.contexts):
+        raise SystemExit(f"--contexts must each exceed --new-tokens ({args.new_tokens}), got {args.contexts}")
+    device = args.device
+    t0 = time.perf_counter()
+
+    def out_of_time(seconds: float = 0.0) -> bool:
+        return args.deadline_s is not None and time.perf_counter() - t0 + seconds > args.deadline_s
+
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        budget = int(args.budget_gib * GIB) if args.budget_gib is not None else total
+        if budget > total:
+            raise SystemExit(f"--budget-gib ({args.budget_gib}) exceeds the GPU's {total / GIB:.1f} GiB")
+        torch.cuda.set_per_process_memory_fraction(budget / total, torch.device(device))
+    elif args.budget_gib is None:
+        raise SystemExit("--budget-gib is required off CUDA (no device memory to read)")
+    else:
+        budget = int(args.budget_gib * GIB)
+    dtype = getattr(torch, args.dtype)
+    rows: list[dict] = []
+    for shape in args.shapes:
+        if out_of_time():
+            break
+        model = build(shape, dtype, device)
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
+        warm = torch.randint(1, model.config.vocab_size, (1, 64), device=device)
+        model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
+        free_memory(device)
+        if device.startswith("cuda"):
+            weights = torch.cuda.memory_allocated()  # weights and buffers as allocated
+        for context in args.contexts:
+            for cache_name in args.caches:
+                row = run_cache(
+                    model, shape, cache_name, context, budget_bytes=budget, weights_bytes=weights,
+                    new_tokens=args.new_tokens, device=device, resolution=args.resolution,
+                    max_probes=args.max_probes, out_of_time=out_of_time,
+                    progress=lambda partial: write_rows(args.out, [*rows, {**partial, "status": "in progress"}]),
+                )
+                row["elapsed_s"] = round(time.perf_counter() - t0, 1)
+                brief = {k: v for k, v in row.items() if k not in ("probes", "probe_batch_1")}
+                print(brief, flush=True)
+                rows.append(row)
+                write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
+        del model
+        free_memory(device)
+    print("wrote", write_rows(args.out, rows))
+
+
+if __name__ == "__main__":
+    main()

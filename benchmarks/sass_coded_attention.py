@@ -1,0 +1,151 @@
+"""SASS of the one-row coded-attention loop for sm_90, compiled on any machine (no GPU needed).
+
+Compiles `_coded_attention_fwd_kernel` with `triton.compile` for `GPUTarget("cuda", 90, 128)` with the argument
+types and 16-byte divisibility hints a real decode launch gets (Ouro's 16 x 128 heads, bf16 queries, pages of 32,
+value groups of 32), disassembles it with the `cuobjdump` that Triton ships, and prints the registers, spills and
+the instructions of the history loop (the body of the hottest backward branch) by opcode, per step and per code
+element (`NP * 32` tokens x 128 channels per step).
+
+    python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec] [--sass out.sass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import subprocess
+import tempfile
+
+
+def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", extra=None):
+    """The cubin (bytes) and metadata of the fwd kernel's one-row path at these settings."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_ops.coded_attention.kernels import _coded_attention_fwd_kernel as fn
+
+    consts = dict(
+        D=128, PAGE=32, VGROUP=32, KV_FMT=fmt, BLOCK_R=16, BLOCK_T=32, BLOCK_PM=64, USE_VALID=False,
+        USE_VPREC=vprec, COUNT=False, READ_PREFIX=False, PAGE_MAX_ONLY=False, IEEE=dtype == "fp32", ROW1=True,
+        NP=pages, **(extra or {}),
+    )  # fmt: skip
+    ptr_types = dict(
+        q_ptr=dtype, o_ptr="fp32", lse_ptr="fp32", pmax_ptr="fp32", bound_ptr="i32", valid_ptr="i32", hk_ptr="u8",
+        hks_ptr="fp16", hkz_ptr="fp16", hv_ptr="u8", hvl_ptr="u8", hvs_ptr="fp16", hvz_ptr="fp16", stats_ptr="fp32",
+    )  # fmt: skip
+    # runtime integers of a real launch that are multiples of 16 (the rest are not specialised)
+    div16 = {"stride_qb", "stride_qh", "stride_qq", "stride_skb", "stride_skh", "stride_skt", "stride_svb",
+             "stride_svh", "stride_svt", "stride_wkb", "stride_wkh", "stride_wkt", "stride_wvb", "stride_wvh",
+             "stride_wvt", "stride_nkb", "stride_nkh", "stride_nkt", "stride_nvb", "stride_nvh", "stride_nvt",
+             "stride_hkb", "stride_hkh", "stride_hkt", "stride_hksb", "stride_hksh", "stride_hksp", "stride_hvb",
+             "stride_hvh", "stride_hvt", "stride_hvsb", "stride_hvsh"}  # fmt: skip
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + ptr_types.get(name, dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "margin"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for k in list(consts):
+        if k not in fn.arg_names:
+            raise ValueError(f"`extra` names {k!r}, not a kernel argument")
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", 90, 128)
+    kernel = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+    return kernel.asm["cubin"], kernel.metadata
+
+
+def sass_of(cubin: bytes, what: str = "--dump-sass") -> str:
+    tool = glob.glob(os.path.join(os.path.dirname(__import__("triton").__file__), "backends/nvidia/bin/cuobjdump"))[0]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, what, f.name], capture_output=True, text=True, check=True).stdout
+
+
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def instructions(sass: str):
+    """[(address, opcode with modifiers, operands)] in program order."""
+    out = []
+    for line in sass.splitlines():
+        m = _INS.search(line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(3), m.group(4).strip()))
+    return out
+
+
+def hottest_loop(ins):
+    """The instructions of the code loop: of the loops (backward branches), the one with the most LOP3 + FFMA (the
+    field extraction and the multiply-adds; the dense tail's loops use HMMA)."""
+    best, best_n = None, -1
+    for addr, op, args in ins:
+        m = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            n = sum(1 for a, o, _ in ins if lo <= a <= addr and o.startswith(("LOP3", "FFMA")))
+            if n > best_n:
+                best, best_n = (lo, addr), n
+    if best is None:
+        return []
+    return [x for x in ins if best[0] <= x[0] <= best[1]]
+
+
+def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None):
+    cubin, meta = compile_row1(fmt, pages, warps, stages, vprec, dtype, extra)
+    sass = sass_of(cubin)
+    if sass_path:
+        with open(sass_path, "w") as f:
+            f.write(sass)
+    ins = instructions(sass)
+    loop = hottest_loop(ins)
+    # the hot path: leave out forward branches inside the loop (the rare move of the softmax reference)
+    skip = set()
+    for addr, op, args in loop:
+        m = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if m and addr < int(m.group(1), 16) <= loop[-1][0]:
+            skip.update(a for a, _, _ in loop if addr < a < int(m.group(1), 16))
+    loop = [x for x in loop if x[0] not in skip]
+    ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+    elements = 2 * pages * 32 * 128  # key and value code elements of one step
+    res = sass_of(cubin, "--dump-resource-usage")
+    n_regs = int(re.search(r"REG:(\d+)", res).group(1))
+    n_spills = int(re.search(r"STACK:(\d+)", res).group(1))
+    stl = sum(1 for _, op, _ in ins if op.startswith(("STL", "LDL")))
+    ldg = [i for i, (_, op, _) in enumerate(loop) if op.startswith("LDG")]
+    return dict(
+        fmt=fmt, pages=pages, warps=warps, vprec=vprec, dtype=dtype, total=len(ins), loop=len(loop),
+        per_element=len(loop) * warps * 32 / elements, regs=n_regs, stack=n_spills, local_ins=stl,
+        ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None), ops=dict(ops.most_common(16)),
+    )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--fmt", type=int, default=4)
+    p.add_argument("--pages", type=int, default=2)
+    p.add_argument("--warps", type=int, default=2)
+    p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--vprec", action="store_true")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--words", type=int, default=1, help="1: the v4 word path (WORDS), 0: v3")
+    p.add_argument("--sass", default=None, help="write the whole SASS here")
+    a = p.parse_args(argv)
+    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, {"WORDS": bool(a.words)})
+    for k, v in r.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

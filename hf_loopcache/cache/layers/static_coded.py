@@ -1,0 +1,659 @@
+"""Static cells of LoopKV plans: `StaticCodedLayer` (options `int4`, `int2`) and `StaticCodedSharedLayer` (option
+`share` with a sink, or over a coded source), so that a decode step over a LoopKV plan has the same shapes and
+addresses every step and can be captured in a CUDA graph.
+
+Storage, allocated once for `max_batch_size` rows and `max_cache_len` positions: the BF16 sink `[B, H, S, D]`, a ring
+of `C = W + 2P - 1 + rollback` recent positions at full precision (position `p` in slot `p % C`), and, for a coded
+cell, the codes of every page of `[S, max_cache_len)`. The reading rule is `WindowedLayer`'s: the query at `t` reads
+`[0, S)` from the sink, `[S, H(t))` from the history (its own codes, or its source's codes or BF16 storage) and
+`[H(t), t]` from the ring, `H(t) = S + P * floor(max(0, t - S - W) / P)`, all computed on the device from the forward's
+positions; `triton_ops.coded_attention` reads the cell with device-side lengths (`CellView`).
+
+**Page flush inside the step.** A decode step at position `t` first codes the page that ends at `H(t)` (the page the
+query needs last) from the ring, every step: `H` moves by at most one page a step, so every page below `H(t)` was
+coded by an earlier step, and coding a page again from the same positions gives the same codes. The page index is a
+device value, the write an `index_copy_`, and the write is selected away (`torch.where`) while there is no page to
+code yet or the ring no longer holds the page (after a crop deeper than the rollback reserve). So the step has no host
+branch and allocates nothing that depends on the length. The codes equal the growable `CodedLayer`'s: it codes the
+same page, from the same keys and values, right after the write that moves `H`. A shared cell asks its source for that
+page before it reads (once per forward: the source's own attend comes later in the forward).
+
+Blocks of several tokens (prefill, verification) and drafts run eagerly with host-side lengths and code what they
+need on the host. Rows with holes (padding after a row's first real token, which batched self-speculative
+verification leaves) are not supported by these cells: their boundaries follow storage positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_loopcache.attention import dense_attention
+from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage
+from hf_loopcache.cache.plan import window_boundary
+from hf_loopcache.cache.storage import page_floor, quantize_pages
+from triton_ops.coded_attention import CellView, coded_attention
+from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values
+
+if TYPE_CHECKING:
+    from hf_loopcache.cache.read import ReadState
+
+__all__ = ["StaticCodedLayer", "StaticCodedSharedLayer", "coded_ring_capacity"]
+
+_CODE_CHUNK_PAGES = 32
+"""Pages coded per call on the host path (a prefill): bounds the fp32 transient."""
+
+
+def coded_ring_capacity(window: int, page_size: int, rollback: int) -> int:
+    """Ring slots of a static windowed cell: `W + 2P - 1 + R`. A read at `t` needs `[H(t), t)` (up to `W + P - 1`
+    positions) and the flush of the step the page below `H(t)` (`P` more); a crop of up to `R` positions must find
+    both still held."""
+    return window + 2 * page_size - 1 + rollback
+
+
+class _StaticWindowed(_StaticStorage):
+    """Sink, ring and the reading rule of a static windowed cell; the history comes from the subclass."""
+
+    is_compileable = True
+
+    def __init__(
+        self, *, sink: int, window: int, page_size: int, rollback: int, max_batch_size: int, max_cache_len: int
+    ) -> None:
+        super().__init__()
+        self.sink, self.window, self.page, self.rollback = sink, window, page_size, rollback
+        self.capacity = coded_ring_capacity(window, page_size, rollback)
+        self.max_rows, self.max_positions = max_batch_size, max_cache_len
+        self.k: torch.Tensor | None = None  # the ring
+        self.v: torch.Tensor | None = None
+        self.sink_k: torch.Tensor | None = None
+        self.sink_v: torch.Tensor | None = None
+        self.high = 0  # one past the highest position written since the last reset (host)
+        self.floor = sink  # ring positions below this are not read (host mirror of `floor_t`)
+        self.held_from = 0  # the ring holds no position below this (a resize dropped them)
+        # the key validity of the last forward (`ReadState.static_valid`: a view of the cache's device mask), for the
+        # pages coded outside a forward (inspection, a deep crop)
+        self.valid: torch.Tensor | None = None
+        self.floor_t: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ storage
+    def _storage_positions(self) -> int:
+        return self.capacity
+
+    def _storage_allocated(self, device: torch.device) -> None:
+        assert self.k is not None  # noqa: S101 - allocated by the caller
+        # one scratch slot past the sink: a decode step writes its token there when it is not a sink position
+        shape = (self.max_rows, self.k.shape[1], self.sink + 1, self.k.shape[3])
+        self.sink_k, self.sink_v = self.k.new_zeros(shape), self.k.new_zeros(shape)
+        self.floor_t = torch.full((), self.floor, dtype=torch.long, device=device)
+
+    def _max_positions(self) -> int:
+        return self.max_positions
+
+    def _live_positions(self) -> int:
+        return min(max(0, self.length - self.sink), self.capacity) + min(self.length, self.sink)
+
+    def allocated_bytes(self) -> int:
+        sink = 0 if self.sink_k is None else 2 * self.sink_k.numel() * self.sink_k.element_size()
+        return super().allocated_bytes() + sink
+
+    def stored_bytes(self) -> int:
+        if self.k is None:
+            return 0
+        per_position = self.k[: self.rows, :, :1].numel() * self.k.element_size() * 2
+        return per_position * self._live_positions()
+
+    def boundary(self, t: torch.Tensor) -> torch.Tensor:
+        """`H(t)` of positions `t` (a long tensor of any shape), on the device."""
+        return self.sink + self.page * ((t - self.sink - self.window).clamp(min=0) // self.page)
+
+    # ------------------------------------------------------------------ writes
+    def _positions(self, q: int, read: ReadState) -> torch.Tensor:
+        self.valid = read.static_valid
+        if read.positions is None:
+            return torch.arange(self.length, self.length + q, device=self.device)
+        if read.length is not None and read.length != self.length:
+            raise ValueError(
+                f"a static cache writes every cell of a forward at the same positions, but this cell holds "
+                f"{self.length} positions and the cache {read.length}; roll a partial-depth draft back "
+                f"(`cache.rollback`) before a forward that runs deeper loops"
+            )
+        return read.positions
+
+    def _store(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write the new positions into the sink (those below `S`) and the ring (every one)."""
+        q, rows = key.shape[2], self.rows
+        if self.length + q > self.max_positions:
+            raise ValueError(
+                f"this static cache holds at most `max_cache_len={self.max_positions}` positions; writing {q} more "
+                f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
+            )
+        ring_k, ring_v = self._views()
+        if self.sink and q == 1:  # the decode step: a short prompt's sink fills here, else the scratch slot takes it
+            slot = positions.clamp(max=self.sink)
+            self.sink_k[:rows].index_copy_(2, slot, key.to(self.sink_k.dtype))  # type: ignore[index]
+            self.sink_v[:rows].index_copy_(2, slot, value.to(self.sink_v.dtype))  # type: ignore[index]
+        elif self.sink and self.length < self.sink:  # a block (eager): host slices
+            n = min(self.sink, self.length + q) - self.length
+            self.sink_k[:rows, :, self.length : self.length + n] = key[:, :, :n]  # type: ignore[index]
+            self.sink_v[:rows, :, self.length : self.length + n] = value[:, :, :n]  # type: ignore[index]
+        if q > self.capacity:  # only the last `capacity` positions stay in the ring
+            key, value, positions = key[:, :, -self.capacity :], value[:, :, -self.capacity :], positions[-self.capacity :]
+        slots = positions % self.capacity
+        ring_k.index_copy_(2, slots, key.to(ring_k.dtype))
+        ring_v.index_copy_(2, slots, value.to(ring_v.dtype))
+        self.length += q
+        self.high = max(self.high, self.length)
+
+    def advance(self, query_length: int) -> None:
+        """Host bookkeeping of a replayed step that wrote `query_length` positions."""
+        self.length += query_length
+        self.high = max(self.high, self.length)
+
+    def _ring_states(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring positions `[start, end)` (host; all must be held)."""
+        k, v = self._views()
+        slots = torch.arange(start, end, device=k.device) % self.capacity
+        return k.index_select(2, slots), v.index_select(2, slots)
+
+    def _ring_holds(self, position: int) -> bool:
+        return position >= max(self.floor, self.held_from, self.high - self.capacity)
+
+    # ------------------------------------------------------------------ reads
+    def _history(self) -> tuple[object, object]:
+        """Codes or a BF16 plane of every history page `[S, ...)` (fixed shapes)."""
+        raise NotImplementedError
+
+    def _view(self, key, value, read, positions, limit: int | None) -> CellView:
+        hist_end = torch.maximum(self.boundary(positions), self.floor_t)  # type: ignore[arg-type]
+        if limit is not None:  # eager (a block or a draft): what the history can serve now
+            hist_end = hist_end.clamp(max=max(limit, self.floor))
+        hk, hv = self._history()
+        rows = self.rows
+        sk = self.sink_k[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
+        sv = self.sink_v[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
+        ring_k, ring_v = self._views()
+        valid = read.static_valid
+        return CellView(
+            new_key=key,
+            new_value=value,
+            length=positions[:1],
+            history_end=hist_end[None].expand(rows, -1),
+            sink_key=sk,
+            sink_value=sv,
+            history_start=self.sink,
+            history_key=hk,
+            history_value=hv,
+            window_key=ring_k,
+            window_value=ring_v,
+            key_valid=None if valid is None else valid[:rows],
+        )
+
+    def _read(self, query, key, value, read, positions, limit):
+        stats = read.v_precision_stats
+        out, _ = coded_attention(
+            query,
+            self._view(key, value, read, positions, limit),
+            scaling=read.scaling,
+            v_precision_tau=read.v_precision_tau,
+            v_precision_stats=None if stats is None or read.v_precision_tau is None else stats.tensor(query.device),
+        )
+        return out
+
+    def _prefill(self, query, key, value, read, positions):
+        """A first write into an empty cell: causal attention over the new tokens (as every cell computes it)."""
+        out = dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
+        self._store(key, value, positions)
+        return out
+
+    # ------------------------------------------------------------------ the plain path and inspection
+    def _history_decoded(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hk, hv = self._history()
+        a, b = start - self.sink, end - self.sink
+        if isinstance(hk, QuantizedKeys) and isinstance(hv, QuantizedValues):
+            p1 = math.ceil(b / self.page)
+            k = dequantize_keys(hk.select_pages(0, p1), dtype=self.dtype)[:, :, a:b]
+            v = dequantize_values(hv.select_tokens(0, p1 * self.page), dtype=self.dtype)[:, :, a:b]
+            return k, v
+        return hk[:, :, a:b], hv[:, :, a:b]  # type: ignore[index]
+
+    def _code_for(self, end: int) -> int:
+        """Make the history readable below `end` (host); returns how far it can be read (subclasses)."""
+        raise NotImplementedError
+
+    def _states(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored positions `[0, length)` as the query at `t >= length` reads them (host; decoded history)."""
+        n, s = self.length, self.sink
+        parts_k, parts_v = [], []
+        if s:
+            parts_k.append(self.sink_k[: self.rows, :, : min(s, n)])  # type: ignore[index]
+            parts_v.append(self.sink_v[: self.rows, :, : min(s, n)])  # type: ignore[index]
+        if n > s:
+            end = min(max(window_boundary(t, sink=s, window=self.window, page_size=self.page), self.floor), n)
+            end = max(s, min(end, self._code_for(end)))  # what the history can serve
+            if end > s:
+                k, v = self._history_decoded(s, end)
+                parts_k.append(k)
+                parts_v.append(v)
+            if end < n:
+                k, v = self._ring_states(end, n)
+                parts_k.append(k)
+                parts_v.append(v)
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def full_states(self):
+        if self.length == 0:
+            raise ValueError("this cell holds no positions yet")
+        return self._states(self.length)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Plain path for foreign models: every position as the last new token reads it (history decoded)."""
+        if not self.is_initialized or self.length == 0:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        if self.length:
+            k, v = self._states(self.length + q - 1)
+        else:
+            k, v = key_states[:, :, :0], value_states[:, :, :0]
+        self._store(key_states, value_states, torch.arange(self.length, self.length + q, device=self.device))
+        return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
+
+    # ------------------------------------------------------------------ crop, batch, reset
+    def _set_floor(self, floor: int) -> None:
+        self.floor = floor
+        if self.floor_t is not None:
+            self.floor_t.fill_(floor)
+
+    def truncate(self, length: int) -> None:
+        """Keep `[0, length)`. Within the rollback reserve the ring still holds what the next reads and flushes
+        need; deeper, the page that straddles `length` goes back to the ring as the history holds it (decoded), and
+        the ring is read from that page on (as the growable cell does below its window)."""
+        if length >= self.length:
+            return
+        length = max(0, length)
+        if length <= self.sink:
+            self.length = length
+            self._set_floor(self.sink)
+            return
+        page_start = page_floor(length, start=self.sink, page_size=self.page)
+        need = window_boundary(length, sink=self.sink, window=self.window, page_size=self.page) - self.page
+        if not self._ring_holds(max(self.sink, need)):
+            self._deep_truncate(length, page_start)
+        self.length = length
+
+    def _deep_truncate(self, length: int, page_start: int) -> None:
+        if not self._ring_holds(page_start):
+            k, v = self._decoded_history(page_start, length)
+            ring_k, ring_v = self._views()
+            slots = torch.arange(page_start, length, device=ring_k.device) % self.capacity
+            ring_k.index_copy_(2, slots, k.to(ring_k.dtype))
+            ring_v.index_copy_(2, slots, v.to(ring_v.dtype))
+        self.high = length
+        self._set_floor(page_start)
+
+    def _decoded_history(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        self.length = self.high = self.held_from = 0
+        self._set_floor(self.sink)
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)  # the ring, in place
+        rows = int(index.shape[0])
+        for t in self._row_tensors():
+            index = index.to(t.device)
+            t[:rows].copy_(t[: self._selected_from].index_select(0, index))
+
+    def _row_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.sink_k, self.sink_v) if t is not None]
+
+    @property
+    def _selected_from(self) -> int:
+        return self.max_rows
+
+    def resize(self, rollback: int) -> None:
+        """A ring for another rollback reserve, keeping the positions it holds that fit."""
+        capacity = coded_ring_capacity(self.window, self.page, rollback)
+        self.rollback = rollback
+        if capacity == self.capacity:
+            return
+        old_k, old_v, old_capacity = self.k, self.v, self.capacity
+        self.capacity = capacity
+        if old_k is None or old_v is None or self.length == 0:
+            return
+        self.k = old_k.new_zeros((*old_k.shape[:2], capacity, old_k.shape[3]))
+        self.v = old_v.new_zeros((*old_v.shape[:2], capacity, old_v.shape[3]))
+        first = max(self.held_from, self.high - old_capacity, self.length - capacity, 0)
+        held = torch.arange(first, self.length, device=old_k.device)
+        self.k.index_copy_(2, held % capacity, old_k.index_select(2, held % old_capacity))
+        self.v.index_copy_(2, held % capacity, old_v.index_select(2, held % old_capacity))
+        self.high, self.held_from = self.length, first
+
+
+class StaticCodedLayer(_StaticWindowed):
+    """A coded cell (option `int4` / `int2`) of a static cache: BF16 sink and ring, and the KIVI codes of every page of
+    `[S, max_cache_len)` preallocated (keys per channel over a page, values per token in channel groups; INT4 values
+    as `hi`/`lo` planes). A decode step codes the page ending at `H(t)` on the device before its read (see the
+    module docstring), so the codes equal the growable `CodedLayer`'s.
+
+    Args:
+        nbits (`int`): 4 or 2.
+        sink, window, page_size (`int`): `S`, `W`, `P` of the plan.
+        group_size (`int`): channel group of the value codes.
+        rollback (`int`): positions a crop may remove exactly (sizes the ring, `coded_ring_capacity`).
+        max_batch_size, max_cache_len (`int`): rows and positions of the storage.
+    """
+
+    def __init__(
+        self,
+        nbits: int,
+        *,
+        sink: int,
+        window: int,
+        page_size: int,
+        group_size: int,
+        rollback: int,
+        max_batch_size: int,
+        max_cache_len: int,
+    ) -> None:
+        super().__init__(
+            sink=sink, window=window, page_size=page_size, rollback=rollback, max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+        )  # fmt: skip
+        if nbits not in (2, 4):
+            raise ValueError(f"`nbits` must be one of (2, 4), got {nbits!r}")
+        self.nbits, self.group = nbits, group_size
+        self.num_pages = max(1, math.ceil(max(0, max_cache_len - sink) / page_size))  # + a scratch page (`flush`)
+        self.qk: QuantizedKeys | None = None
+        self.qv: QuantizedValues | None = None
+
+    @property
+    def option(self) -> str:
+        return f"int{self.nbits}"
+
+    def _storage_allocated(self, device: torch.device) -> None:
+        super()._storage_allocated(device)
+        assert self.k is not None  # noqa: S101 - allocated by the caller
+        rows, heads, _, d = self.k.shape
+        tokens, pages = (self.num_pages + 1) * self.page, self.num_pages + 1
+        u8, f16 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float16, device=device)
+        self.qk = QuantizedKeys(
+            codes=torch.zeros(rows, heads, tokens, d * self.nbits // 8, **u8),
+            scale=torch.zeros(rows, heads, pages, d, **f16),
+            zero=torch.zeros(rows, heads, pages, d, **f16),
+            nbits=self.nbits,
+            group_size=self.page,
+        )
+        self.qv = QuantizedValues(
+            hi=torch.zeros(rows, heads, tokens, d // 4, **u8),
+            lo=torch.zeros(rows, heads, tokens, d // 4, **u8) if self.nbits == 4 else None,
+            scale=torch.zeros(rows, heads, tokens, d // self.group, **f16),
+            zero=torch.zeros(rows, heads, tokens, d // self.group, **f16),
+            nbits=self.nbits,
+            group_size=self.group,
+        )
+
+    def _history(self):
+        assert self.qk is not None and self.qv is not None  # noqa: S101 - allocated by the first write
+        return self._codes(self.num_pages)
+
+    def _codes(self, pages: int) -> tuple[QuantizedKeys, QuantizedValues]:
+        """Views of the first `pages` pages of the live rows (`num_pages + 1` includes the scratch page)."""
+        assert self.qk is not None and self.qv is not None  # noqa: S101 - allocated by the first write
+        rows, t = self.rows, pages * self.page
+        qk, qv = self.qk, self.qv
+        keys = QuantizedKeys(qk.codes[:rows, :, :t], qk.scale[:rows, :, :pages], qk.zero[:rows, :, :pages], qk.nbits,
+                             qk.group_size)  # fmt: skip
+        values = QuantizedValues(
+            qv.hi[:rows, :, :t], None if qv.lo is None else qv.lo[:rows, :, :t], qv.scale[:rows, :, :t],
+            qv.zero[:rows, :, :t], qv.nbits, qv.group_size,
+        )  # fmt: skip
+        return keys, values
+
+    def _row_tensors(self):
+        extra = []
+        if self.qk is not None and self.qv is not None:
+            extra = [self.qk.codes, self.qk.scale, self.qk.zero, self.qv.hi, self.qv.scale, self.qv.zero]
+            extra += [] if self.qv.lo is None else [self.qv.lo]
+        return super()._row_tensors() + extra
+
+    def allocated_bytes(self) -> int:
+        codes = 0 if self.qk is None or self.qv is None else self.qk.nbytes + self.qv.nbytes
+        return super().allocated_bytes() + codes
+
+    def stored_bytes(self) -> int:
+        if self.qk is None or self.qv is None:
+            return 0
+        coded = max(0, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page) - self.sink)
+        pages = coded // self.page
+        keys, values = self._history()
+        return super().stored_bytes() + keys.select_pages(0, pages).nbytes + values.select_tokens(0, coded).nbytes
+
+    # ---------------------------------------------------------------- codes
+    def _put(self, page: torch.Tensor | int, qk: QuantizedKeys, qv: QuantizedValues) -> None:
+        """Codes of `qk.num_pages` pages from page `page` (a host int, or a one-element device tensor for one page)."""
+        p = self.page
+        own_k, own_v = self._codes(self.num_pages + 1)
+        if isinstance(page, int):
+            n = qk.num_pages
+            t0, t1 = page * p, (page + n) * p
+            own_k.codes[:, :, t0:t1] = qk.codes
+            own_k.scale[:, :, page : page + n] = qk.scale
+            own_k.zero[:, :, page : page + n] = qk.zero
+            pairs = [(own_v.hi, qv.hi), (own_v.scale, qv.scale), (own_v.zero, qv.zero)]
+            pairs += [] if qv.lo is None else [(own_v.lo, qv.lo)]
+            for dst, src in pairs:
+                dst[:, :, t0:t1] = src
+            return
+        tokens = page * p + torch.arange(p, device=page.device)
+        own_k.codes.index_copy_(2, tokens, qk.codes)
+        own_k.scale.index_copy_(2, page, qk.scale)
+        own_k.zero.index_copy_(2, page, qk.zero)
+        own_v.hi.index_copy_(2, tokens, qv.hi)
+        own_v.scale.index_copy_(2, tokens, qv.scale)
+        own_v.zero.index_copy_(2, tokens, qv.zero)
+        if qv.lo is not None and own_v.lo is not None:
+            own_v.lo.index_copy_(2, tokens, qv.lo)
+
+    def _quantize(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, check_finite: bool = True):
+        return quantize_pages(
+            k, v, self.nbits, page_size=self.page, group_size=self.group, valid=valid, check_finite=check_finite
+        )
+
+    def flush(self, t: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Code the page ending at `H(t)` (`t` a one-element device tensor) from the ring, on the device. While
+        `H(t) <= S`, or when the ring does not hold the page (below `floor`), the codes go to the scratch page past the
+        last one, which nothing reads: the step is the same either way."""
+        h = self.boundary(t)
+        start = h - self.page
+        write = (h > self.sink) & (start >= self.floor_t)  # [1]
+        start = start.clamp(min=self.sink)
+        pos = start + torch.arange(self.page, device=t.device)
+        ring_k, ring_v = self._views()
+        k, v = ring_k.index_select(2, pos % self.capacity), ring_v.index_select(2, pos % self.capacity)
+        mask = None if valid is None else valid[: self.rows].index_select(1, pos.clamp(max=valid.shape[1] - 1))
+        qk, qv = self._quantize(k, v, mask, check_finite=False)
+        page = torch.where(write, (start - self.sink) // self.page, self.num_pages)
+        self._put(page, qk, qv)
+
+    def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
+        """Code the pages of `[start, end)` (page aligned) on the host path: positions below `length` from the ring,
+        the others from `new = (key, value)` (the forward's new tokens, from position `length`)."""
+        step = _CODE_CHUNK_PAGES * self.page
+        for a in range(start, end, step):
+            b = min(a + step, end)
+            m = min(max(self.length - a, 0), b - a)  # positions [a, a + m) are cached
+            parts_k, parts_v = [], []
+            if m:
+                k, v = self._ring_states(a, a + m)
+                parts_k.append(k)
+                parts_v.append(v)
+            if m < b - a:
+                assert new is not None  # noqa: S101 - the caller passes the new tokens when they are needed
+                lo, hi = a + m - self.length, b - self.length
+                parts_k.append(new[0][:, :, lo:hi])
+                parts_v.append(new[1][:, :, lo:hi])
+            k = parts_k[0] if len(parts_k) == 1 else torch.cat(parts_k, dim=2)
+            v = parts_v[0] if len(parts_v) == 1 else torch.cat(parts_v, dim=2)
+            mask = None if valid is None else valid[: self.rows, a:b]
+            qk, qv = self._quantize(k, v, mask)
+            self._put((a - self.sink) // self.page, qk, qv)
+
+    def prepare(self, read: ReadState, positions: torch.Tensor, q: int, end: int | None = None, new=None) -> None:
+        """Make the codes readable for this forward (once per forward: shared cells call it on their source before
+        their read). Decode step (`end` None, one token, every loop run): `flush` on the device. Otherwise (host):
+        code the pages from the one below `H(length)` up to `end`."""
+        key = ("static-coded-flush", id(self))
+        done = read.memo.get(key)
+        if end is None and q == 1 and read.complete:
+            if done is None:
+                self.flush(positions[:1], read.static_valid)
+                read.memo[key] = -1
+            return
+        if end is None:
+            end = window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
+        first = max(self.sink, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page)
+                    - self.page, self.floor)  # fmt: skip
+        if done is not None and done != -1:
+            first = max(first, done)
+        if end > first:
+            self.code_range(first, end, read.static_valid, new)
+            read.memo[key] = end
+
+    # ---------------------------------------------------------------- read and write
+    def attend(self, query, key, value, read):
+        if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
+            self.lazy_initialization(key, value)
+        q = key.shape[2]
+        positions = self._positions(q, read)
+        if self.length == 0:
+            n = q
+            out = self._prefill(query, key, value, read, positions)
+            h = window_boundary(n, sink=self.sink, window=self.window, page_size=self.page)
+            if h > self.sink:  # the prompt's pages, straight from its keys and values
+                self.length = 0
+                self.code_range(self.sink, h, read.static_valid if read.key_valid is not None else None, (key, value))
+                self.length = n
+            return out
+        self.prepare(read, positions, q, new=(key, value))
+        out = self._read(query, key, value, read, positions, None if q == 1 and read.complete else self._limit(q))
+        self._store(key, value, positions)
+        return out
+
+    def _limit(self, q: int) -> int:
+        return window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
+
+    def _code_for(self, end: int) -> int:
+        first = max(self.sink, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page)
+                    - self.page, self.floor)  # fmt: skip
+        end = min(end, page_floor(self.length, start=self.sink, page_size=self.page))
+        if end > first:
+            self.code_range(first, end, self.valid)
+        return end
+
+    # ---------------------------------------------------------------- the source side
+    def readable_limit(self, length: int | None = None) -> int:
+        length = self.length if length is None else length
+        return page_floor(length, start=self.sink, page_size=self.page) if length > self.sink else length
+
+    def decoded(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions `[start, end)` as this cell holds them (ring where it holds them, else decoded codes)."""
+        if start >= end:
+            k, _ = self._views()
+            empty = k[:, :, :0]
+            return empty, empty
+        if self._ring_holds(start):
+            return self._ring_states(start, end)
+        return self._decoded_history(start, end)
+
+    def _decoded_history(self, start, end):
+        return self._history_decoded(start, end)
+
+    def _deep_truncate(self, length: int, page_start: int) -> None:
+        # the reads go to the history below `page_start` from now on: code what the ring holds below it
+        self._code_for(page_start)
+        super()._deep_truncate(length, page_start)
+
+
+class StaticCodedSharedLayer(_StaticWindowed):
+    """A shared cell (option `share`) of a static cache with a sink or over a coded source: its own sink and ring,
+    its history read from the source's storage in place (a `StaticCodedLayer`'s codes, or a `StaticDenseLayer`'s
+    BF16 buffer), through `coded_attention` with device-side lengths. It stores no history of its own. Before its
+    read it has the source code the page it needs (`StaticCodedLayer.prepare`, once per forward).
+
+    In a draft (`ReadState.draft_loops`) the source is not written; the cell reads the history up to what the source
+    holds and the rest from its ring (drafts run eagerly).
+
+    Args:
+        source (`StaticCodedLayer` or `StaticDenseLayer`): the final loop's cell of the same layer.
+        sink, window, page_size, rollback, max_batch_size, max_cache_len: as `StaticCodedLayer`.
+    """
+
+    option = "share"
+
+    def __init__(
+        self,
+        source: StaticCodedLayer | StaticDenseLayer,
+        *,
+        sink: int,
+        window: int,
+        page_size: int,
+        rollback: int,
+        max_batch_size: int,
+        max_cache_len: int,
+    ) -> None:
+        if not isinstance(source, (StaticCodedLayer, StaticDenseLayer)):
+            raise TypeError(
+                f"`source` of a static shared cell must be a StaticCodedLayer or StaticDenseLayer, got "
+                f"{type(source).__name__}"
+            )
+        super().__init__(
+            sink=sink, window=window, page_size=page_size, rollback=rollback, max_batch_size=max_batch_size,
+            max_cache_len=max_cache_len,
+        )  # fmt: skip
+        self.source = source
+
+    def _history(self):
+        if isinstance(self.source, StaticCodedLayer):
+            return self.source._history()
+        k, v = self.source._views()
+        return k[:, :, self.sink :], v[:, :, self.sink :]
+
+    def _source_limit(self) -> int:
+        """History positions the source can serve now (host)."""
+        if isinstance(self.source, StaticCodedLayer):
+            return self.source.readable_limit()
+        return self.source.length
+
+    def attend(self, query, key, value, read):
+        if not self.is_initialized or self.length == 0:
+            self.lazy_initialization(key, value)
+        q = key.shape[2]
+        positions = self._positions(q, read)
+        if self.length == 0:
+            return self._prefill(query, key, value, read, positions)
+        limit = None
+        if q == 1 and read.complete:  # the decode step: the source codes the page ending at H(t) on the device
+            if isinstance(self.source, StaticCodedLayer):
+                self.source.prepare(read, positions, q)
+        else:
+            limit = min(self._limit(q), self._source_limit())
+            if isinstance(self.source, StaticCodedLayer):
+                self.source.prepare(read, positions, q, end=limit)
+        out = self._read(query, key, value, read, positions, limit)
+        self._store(key, value, positions)
+        return out
+
+    def _limit(self, q: int) -> int:
+        return window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
+
+    def _code_for(self, end: int) -> int:
+        end = min(end, self._source_limit())
+        if isinstance(self.source, StaticCodedLayer):
+            return min(end, self.source._code_for(end))
+        return end
+
+    def _decoded_history(self, start, end):
+        return self.source.decoded(start, end)

@@ -1,0 +1,147 @@
+"""`coded_attention` with device-side lengths (a static cache's decode step): the same view as the host-length one,
+stored the static way (the whole sink buffer, every preallocated page, the window as a ring, `length` a tensor),
+gives the same output, log-sum-exp and V-precision counts; the reference reads no device value on the host; the
+Triton kernel (CUDA, or the CPU under `TRITON_INTERPRET=1`: `test_triton_interpreter.py`) matches the reference on
+the same codes, with the same launch grid whatever the length.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.ops.test_coded_attention_kernels import Case, _build, _view
+from triton_ops.coded_attention import CellView, reference_coded_attention
+from triton_ops.quant import naive
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 (see test_triton_interpreter)"
+)
+
+CASES = [
+    Case(B=2, Hq=2, Hkv=1, D=64, S=4, hist=40, Wn=9, Q=1, fmt=4, vprec=True, pad=True),
+    Case(B=2, Hq=2, Hkv=1, D=64, S=4, hist=33, Wn=5, Q=1, fmt=4, vprec=False),
+    Case(B=1, Hq=4, Hkv=2, D=64, S=2, hist=31, Wn=7, Q=1, fmt=2, vprec=False, pad=True),
+    Case(B=2, Hq=2, Hkv=1, D=64, S=4, hist=64, Wn=6, Q=3, fmt=4, vprec=True, pad=True),
+    Case(B=2, Hq=2, Hkv=1, D=32, S=0, hist=20, Wn=4, Q=1, fmt=0, vprec=False, pad=True),
+    Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=70, Wn=6, Q=1, fmt=4, vprec=True, pad=True),  # one row per KV head: ROW1
+    Case(B=1, Hq=1, Hkv=1, D=64, S=4, hist=50, Wn=3, Q=1, fmt=2, vprec=False),  # ROW1, INT2
+]
+
+
+def _static_view(data, dtype, device="cpu", extra_pages=2, extra_slots=5, seed=1):
+    """The host-length view's contents stored as a static cell stores them: `extra_pages` preallocated pages past
+    the history (random codes nobody may read), the window in a ring of `W + extra_slots` slots (the other slots hold
+    random older positions, which the bounds hide)."""
+    g = torch.Generator().manual_seed(seed)
+    host = _view(data, dtype)
+    case, n = data["case"], data["n"]
+    hk, hv = data["history"]
+    b, hkv, d = case.B, case.Hkv, case.D
+    junk_k = torch.randn(b, hkv, extra_pages * 32, d, generator=g) * 3
+    junk_v = torch.randn(b, hkv, extra_pages * 32, d, generator=g) * 3
+    if case.fmt:
+        jk, jv = naive.quantize_keys(junk_k, case.fmt, group_size=32), naive.quantize_values(junk_v, case.fmt)
+        cat = lambda x, y: torch.cat([x, y], dim=2).to(device)  # noqa: E731
+        hk = naive.QuantizedKeys(cat(hk.codes, jk.codes), cat(hk.scale, jk.scale), cat(hk.zero, jk.zero), hk.nbits, 32)
+        hv = naive.QuantizedValues(
+            cat(hv.hi, jv.hi), None if hv.lo is None else cat(hv.lo, jv.lo), cat(hv.scale, jv.scale),
+            cat(hv.zero, jv.zero), hv.nbits, hv.group_size,
+        )  # fmt: skip
+    else:
+        hk = torch.cat([hk, junk_k], dim=2).to(device=device, dtype=dtype)
+        hv = torch.cat([hv, junk_v], dim=2).to(device=device, dtype=dtype)
+    w_len = n - data["w_start"]
+    cap = w_len + extra_slots
+    ring_k = torch.randn(b, hkv, cap, d, generator=g) * 3
+    ring_v = torch.randn(b, hkv, cap, d, generator=g) * 3
+    slots = torch.arange(data["w_start"], n) % cap
+    ring_k[:, :, slots] = host.window_key.float()
+    ring_v[:, :, slots] = host.window_value.float()
+    conv = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return CellView(
+        new_key=conv(host.new_key), new_value=conv(host.new_value), length=torch.tensor(n, device=device),
+        history_end=host.history_end.to(device), sink_key=conv(host.sink_key), sink_value=conv(host.sink_value),
+        history_start=case.S, history_key=hk, history_value=hv, window_key=conv(ring_k), window_value=conv(ring_v),
+        key_valid=None if host.key_valid is None else host.key_valid.to(device),
+    )  # fmt: skip
+
+
+def _ref(data, view, dtype):
+    tau = data["tau"] if data["case"].vprec else None
+    stats = torch.zeros(2, dtype=torch.int64)
+    out, lse = reference_coded_attention(
+        data["q"].to(dtype), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats
+    )
+    return out, lse, stats
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CASES])
+def test_device_lengths_read_what_host_lengths_read(case):
+    data = _build(case, torch.float32)  # inputs drawn in fp32; both views read in fp64
+    out, lse, stats = _ref(data, _view(data, torch.float64), torch.float64)
+    s_out, s_lse, s_stats = _ref(data, _static_view(data, torch.float64), torch.float64)
+    torch.testing.assert_close(s_out, out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(s_lse, lse, rtol=0, atol=1e-12)
+    assert s_stats.tolist() == stats.tolist()
+
+
+def test_device_lengths_short_sink_and_empty_history():
+    """A cell holding fewer positions than its sink (a short prompt): the static sink buffer is read up to `length`
+    only, the history not at all (bounds at `S`)."""
+    g = torch.Generator().manual_seed(3)
+    b, h, d, s, n = 2, 1, 64, 8, 5
+    sk, sv = torch.randn(b, h, s, d, generator=g, dtype=torch.float64), torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    nk, nv = torch.randn(b, h, 1, d, generator=g, dtype=torch.float64), torch.randn(b, h, 1, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, 2, 1, d, generator=g, dtype=torch.float64)
+    hist = naive.quantize_keys(torch.randn(b, h, 64, d, generator=g), 4), naive.quantize_values(torch.randn(b, h, 64, d, generator=g), 4)
+    ring = torch.randn(b, h, 6, d, generator=g, dtype=torch.float64)
+    static = CellView(
+        new_key=nk, new_value=nv, length=torch.tensor([n]), history_end=torch.full((b, 1), s), sink_key=sk,
+        sink_value=sv, history_start=s, history_key=hist[0], history_value=hist[1], window_key=ring, window_value=ring,
+    )  # fmt: skip
+    host = CellView(
+        new_key=nk, new_value=nv, length=n, history_end=torch.full((b, 1), n), sink_key=sk[:, :, :n],
+        sink_value=sv[:, :, :n], history_start=s,
+    )  # fmt: skip
+    got = reference_coded_attention(q, static, scaling=0.125, v_precision_tau=4.0)
+    want = reference_coded_attention(q, host, scaling=0.125)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+
+
+def test_device_lengths_view_errors():
+    k = torch.zeros(1, 1, 1, 64)
+    with pytest.raises(ValueError, match="window_start"):
+        CellView(new_key=k, new_value=k, length=torch.tensor(3), history_end=torch.zeros(1, 1, dtype=torch.long),
+                 window_start=1)  # fmt: skip
+    with pytest.raises(TypeError, match="one integer"):
+        CellView(new_key=k, new_value=k, length=torch.tensor([1.0]), history_end=torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="sink"):
+        CellView(new_key=k, new_value=k, length=torch.tensor(3), history_end=torch.zeros(1, 1, dtype=torch.long),
+                 history_start=2)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CASES])
+def test_kernel_with_device_lengths_matches_reference(case):
+    """The kernel reads the static view (length from the device, ring window, every page in the grid) as the
+    reference does, fp32, on the same codes; V-precision counts equal."""
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    data = _build(case, torch.float32)
+    view = _static_view(data, torch.float32, DEVICE)
+    tau = data["tau"] if case.vprec else None
+    stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    out, lse = _coded_attention_fwd(
+        data["q"].to(DEVICE), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats,
+        num_splits=3 if case.fmt else None,
+    )  # fmt: skip
+    ref, ref_lse, ref_stats = _ref(data, _static_view(data, torch.float64), torch.float64)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=1e-5)
+    if case.vprec and case.fmt == 4:
+        assert stats.cpu().tolist() == ref_stats.tolist()

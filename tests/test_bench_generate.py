@@ -1,0 +1,44 @@
+"""`benchmarks/bench_generate.py` on the CPU with micro shapes: every row runs, the plain peer is built for both
+architectures, static rows decode the growable cache's tokens, and `--fused` labels its rows (numbers mean nothing
+here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_generate, common
+
+
+@pytest.mark.parametrize("shape", ["micro-ouro", "micro-huginn"])
+def test_rows_for_every_mode_and_the_peer(shape, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_generate.main(["--shapes", shape, "--caches", "full", "ripe64", "--modes", "eager", "static", "--peers",
+                         "dynamic", "--fused", "on", "off", "--batches", "2", "--context", "40", "--new-tokens", "4",
+                         "--device", "cpu", "--dtype", "float32", "--out", "gen"])
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    looped = [r for r in rows if r["model"] == "looped"]
+    assert len(looped) == 2 * 2 * 2 and all(r["status"] == "ok" for r in rows)
+    assert {(r["cache"], r["mode"], r["fused_ops"]) for r in looped} == {
+        (c, m, f) for c in ("full", "ripe64") for m in ("eager", "static") for f in (True, False)
+    }
+    assert all(r["tokens_equal_eager"] for r in looped if r["mode"] == "static")
+    peer = [r for r in rows if r["model"] != "looped"]
+    assert [r["cache"] for r in peer] == ["dynamic"] and peer[0]["generated"] == 4
+    assert all("warmup_s" in r for r in rows)
+
+
+def test_static_loopkv_rows(tmp_path, monkeypatch):
+    """`--caches kivi4 kivi4-share hand --modes eager static`: static LoopKV rows run and decode the growable cache's
+    tokens (micro shape, the presets' sink 32 and window 256: a 326-token prompt codes one page)."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_generate.main(["--shapes", "micro-ouro", "--caches", "kivi4", "kivi4-share", "hand", "--modes", "eager",
+                         "static", "--batches", "2", "--context", "330", "--new-tokens", "4", "--device", "cpu",
+                         "--dtype", "float32", "--out", "gen"])
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert {(r["cache"], r["mode"]) for r in rows} == {
+        (c, m) for c in ("kivi4", "kivi4-share", "hand") for m in ("eager", "static")
+    }
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["tokens_equal_eager"] for r in rows if r["mode"] == "static")

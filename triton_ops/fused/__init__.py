@@ -1,0 +1,11 @@
+"""Fused layer ops of the native models: RMS norm (with a residual before or after), RoPE (rotate-half and pairs) and
+the gated MLP's `silu(gate) * up`, each one Triton kernel on CUDA instead of the 4-10 small kernels of the eager code.
+
+A decode step of a looped model runs every layer R times per token, so its small kernels dominate a captured step at
+small batch; `reference.py` is the models' eager math (the contract and the CPU path). `disabled()` turns the kernels
+off in a block (comparisons, benchmarks). See `README.md`.
+"""
+
+from triton_ops.fused.ops import disabled, enabled, rms_norm, rotate_half, rotate_pairs, silu_mul
+
+__all__ = ["disabled", "enabled", "rms_norm", "rotate_half", "rotate_pairs", "silu_mul"]

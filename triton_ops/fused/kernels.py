@@ -1,0 +1,78 @@
+"""`@triton.jit` kernels of the fused layer ops (launchers in `ops.py`). Each reproduces `reference.py`'s roundings."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, N, eps,
+                     HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    keep = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=keep, other=0.0)
+    if HAS_BEFORE:  # the sum rounds to the activations' dtype before the norm reads it
+        x = (x.to(tl.float32) + tl.load(before_ptr + row * N + cols, mask=keep, other=0.0).to(tl.float32)).to(
+            x.dtype)
+    x32 = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    normed = (x32 * inv).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=keep, other=0.0)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    if HAS_AFTER:
+        res = tl.load(after_ptr + row * N + cols, mask=keep, other=0.0)
+        out = (res.to(tl.float32) + out.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * N + cols, out, mask=keep)
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, bias_ptr, out_ptr, Q, H, stride_xb, stride_xq, stride_xh, stride_cs,
+                   D: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program per (token, block of heads): `x` `[B, Q, H, D]` (last axis contiguous), `out` contiguous,
+    `cos`/`sin` one row per token (rotate-half: `D` values in `x`'s dtype; pairs: `D/2` values in fp32), `bias`
+    `[H, D]` added first (rounded to `x`'s dtype)."""
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    keep = (heads < H)[:, None]
+    src = (tok // Q) * stride_xb + (tok % Q) * stride_xq + heads[:, None] * stride_xh
+    dst = tok * H * D + heads[:, None] * D
+    if PAIRS:  # (re, im) = (x[2i], x[2i+1]) rotated in fp32, rounded once
+        partner_d = d ^ 1
+    else:
+        partner_d = (d + D // 2) % D
+    x = tl.load(x_ptr + src + d[None, :], mask=keep, other=0.0)
+    partner = tl.load(x_ptr + src + partner_d[None, :], mask=keep, other=0.0)
+    if HAS_BIAS:
+        x = (x.to(tl.float32) + tl.load(bias_ptr + heads[:, None] * D + d[None, :], mask=keep, other=0.0).to(
+            tl.float32)).to(x.dtype)
+        partner = (partner.to(tl.float32) + tl.load(bias_ptr + heads[:, None] * D + partner_d[None, :], mask=keep,
+                                                    other=0.0).to(tl.float32)).to(x.dtype)
+    if PAIRS:
+        c = tl.load(cos_ptr + tok * stride_cs + d // 2)[None, :]
+        s = tl.load(sin_ptr + tok * stride_cs + d // 2)[None, :]
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
+        out = x.to(tl.float32) * c + sign * (partner.to(tl.float32) * s)
+        tl.store(out_ptr + dst + d[None, :], out.to(x.dtype), mask=keep)
+    else:  # x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype
+        partner = tl.where((d < D // 2)[None, :], -partner, partner)
+        c = tl.load(cos_ptr + tok * stride_cs + d)[None, :]
+        s = tl.load(sin_ptr + tok * stride_cs + d)[None, :]
+        a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
+        b = (partner.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        tl.store(out_ptr + dst + d[None, :], (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype), mask=keep)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+    """`out[row] = silu(gate[row]) * up[row]`, rows of `N` values at any row strides; `out` contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < N
+    g = tl.load(g_ptr + row * stride_g + offs, mask=keep, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=keep, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
+    tl.store(out_ptr + row * N + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=keep)

@@ -1,0 +1,147 @@
+"""Launchers and dispatch of the fused layer ops: the Triton kernel for CUDA tensors outside autograd and tracing,
+`reference.py` everywhere else (CPU, gradients, `torch.compile`, or `disabled()`)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from triton_ops._dispatch import launch_device, next_pow2, use_triton
+from triton_ops.fused import reference
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["disabled", "enabled", "rms_norm", "rotate_half", "rotate_pairs", "silu_mul"]
+
+_state = threading.local()
+
+
+def enabled() -> bool:
+    """Whether CUDA tensors take the fused kernels in this thread (True unless inside `disabled()`)."""
+    return getattr(_state, "on", True)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the models' layer ops op by op (the reference) inside the block, on every device: for comparisons."""
+    before = enabled()
+    _state.on = False
+    try:
+        yield
+    finally:
+        _state.on = before
+
+
+def _fused(op: str, *tensors: Tensor) -> bool:
+    if not enabled() or torch.compiler.is_compiling():
+        return False  # a compiled graph fuses the reference itself
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # the kernels have no backward
+    return use_triton(op, *tensors)
+
+
+def _check_rows(name: str, t: Tensor | None, like: Tensor) -> None:
+    if t is not None and (t.shape != like.shape or t.dtype != like.dtype):
+        raise ValueError(f"`{name}` must have the shape {tuple(like.shape)} and dtype {like.dtype} of `x`; got "
+                         f"{tuple(t.shape)} {t.dtype}")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | None = None,
+             add_after: Tensor | None = None) -> Tensor:
+    """`add_after + weight * norm(x + add_before)` over the last axis (see `reference.ref_rms_norm`): one kernel."""
+    _check_rows("add_before", add_before, x)
+    _check_rows("add_after", add_after, x)
+    extra = [t for t in (add_before, add_after) if t is not None]
+    if not _fused("rms_norm", x, weight, *extra) or weight.dtype != x.dtype:
+        return reference.ref_rms_norm(x, weight, eps, add_before=add_before, add_after=add_after)
+    from triton_ops.fused.kernels import _rms_norm_kernel
+
+    n = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    rows = xc.numel() // n if n else 0
+    if rows:
+        before = add_before.contiguous() if add_before is not None else xc
+        after = add_after.contiguous() if add_after is not None else xc
+        block = next_pow2(n)
+        with launch_device(x):
+            _rms_norm_kernel[(rows,)](xc, weight.contiguous(), before, after, out, n, float(eps),
+                                      HAS_BEFORE=add_before is not None, HAS_AFTER=add_after is not None,
+                                      BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor | None, pairs: bool) -> Tensor:
+    from triton_ops.fused.kernels import _rotate_kernel
+
+    b, q, h, d = x.shape
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(b, q, h, d, dtype=x.dtype, device=x.device)
+    width = d // 2 if pairs else d
+    cos, sin = cos.reshape(b * q, width).contiguous(), sin.reshape(b * q, width).contiguous()
+    bias_arg = bias.reshape(h, d).contiguous() if bias is not None else out
+    block_h = min(next_pow2(h), 16)
+    if out.numel():
+        with launch_device(x):
+            _rotate_kernel[(b * q, _cdiv(h, block_h))](
+                xs, cos, sin, bias_arg, out, q, h, xs.stride(0), xs.stride(1), xs.stride(2), cos.stride(0),
+                D=d, PAIRS=pairs, HAS_BIAS=bias is not None, BLOCK_H=block_h)
+    return out
+
+
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE, rotate-half convention (Ouro): `x` `[B, q, H, D]`, `cos` / `sin` `[B, q, D]` in `x`'s dtype; returns a
+    contiguous `[B, q, H, D]`."""
+    b, q, _, d = x.shape
+    if cos.shape != (b, q, d) or sin.shape != (b, q, d):
+        raise ValueError(f"`cos` and `sin` must have shape {(b, q, d)}; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not _fused("rotate_half", x, cos, sin) or cos.dtype != x.dtype or d & (d - 1):
+        return reference.ref_rotate_half(x, cos, sin)
+    return _rotate(x, cos, sin, None, pairs=False)
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor | None = None) -> Tensor:
+    """RoPE on consecutive pairs (Huginn), fp32 inside: `x` `[B, q, H, D]`, `cos` / `sin` fp32 `[B, q, 1, D/2]`,
+    `bias` `[1, H, D]` added first (Huginn's `qk_bias`)."""
+    b, q, h, d = x.shape
+    if cos.shape != (b, q, 1, d // 2) or sin.shape != (b, q, 1, d // 2):
+        raise ValueError(f"`cos` and `sin` must have shape {(b, q, 1, d // 2)}; got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if bias is not None and bias.numel() != h * d:
+        raise ValueError(f"`bias` must hold {h} x {d} values (one per head and channel); got {tuple(bias.shape)}")
+    extra = [bias] if bias is not None else []
+    if (not _fused("rotate_pairs", x, cos, sin, *extra) or cos.dtype != torch.float32 or d & (d - 1)
+            or (bias is not None and bias.dtype != x.dtype)):
+        return reference.ref_rotate_pairs(x, cos, sin, bias)
+    return _rotate(x, cos, sin, bias, pairs=True)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """`silu(gate) * up` in one kernel (same shape and dtype; the last axis contiguous, rows at any stride, as two
+    halves of one projection are); returns a contiguous tensor."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"`up` must have the shape {tuple(gate.shape)} and dtype {gate.dtype} of `gate`; got "
+                         f"{tuple(up.shape)} {up.dtype}")
+    if not _fused("silu_mul", gate, up):
+        return reference.ref_silu_mul(gate, up)
+    from triton_ops.fused.kernels import _silu_mul_kernel
+
+    n = gate.shape[-1]
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    g2, u2 = g.reshape(-1, n), u.reshape(-1, n)  # views for rows at one stride (two halves of a projection)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = out.numel() // n if n else 0
+    if rows:
+        block = min(next_pow2(n), 2048)
+        with launch_device(gate):
+            _silu_mul_kernel[(rows, _cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
+    return out
