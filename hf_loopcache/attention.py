@@ -167,7 +167,7 @@ def dense_attention(
             positions = torch.arange(total, device=query.device)
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
-        memo_key = ("dense-mask", q_len, total, query.device)
+        memo_key = f"dense-mask {q_len} {total} {query.device}"  # str keys: a cache holding its last read is a pytree
         mask = memo.get(memo_key) if memo is not None else None
         if mask is None:
             positions = torch.arange(total, device=query.device)

@@ -72,7 +72,7 @@ class WindowedLayer(LoopLayerBase):
         number of stored positions `j < stored` whose effective position is below `H(effective position of the
         query)`), with their minimum and maximum on the host. The same for every cell of the forward with this sink,
         window and page, so computed once per forward (`read.memo`: one host read per forward, not per cell)."""
-        key = ("row-boundaries", self.sink, self.window, self.page, first, count, stored)
+        key = f"row-boundaries {self.sink} {self.window} {self.page} {first} {count} {stored}"  # str: a pytree
         hit = read.memo.get(key)
         if hit is None:
             effective = read.effective
@@ -191,7 +191,7 @@ class WindowedLayer(LoopLayerBase):
         n, q = self.length, key.shape[2]
         new_len = n + q
         if read.key_valid is not None:  # one copy per forward, which every cell of it keeps (never written in place)
-            memo_key = ("windowed-valid", new_len, read.key_valid.device)
+            memo_key = f"windowed-valid {new_len} {read.key_valid.device}"  # str keys: the cache stays a pytree
             if memo_key not in read.memo:
                 read.memo[memo_key] = read.key_valid[:, :new_len].clone()
             self._valid = read.memo[memo_key]
