@@ -61,6 +61,10 @@ class AttentionInputs:
         static_mask (`torch.BoolTensor` of shape `[B, 1, q, max_cache_len]`, *optional*): with a static cache, the
             visibility of every storage position to the new tokens (`static_mask(positions, static_valid)`).
         length (`int`, *optional*): with a static cache, the positions it held before this forward (host side).
+        source_length (`torch.LongTensor` of shape `[1]`, *optional*): with a static cache, the positions its final
+            loop's cells hold, on the device (what a partial-depth draft's shared cells may read from their sources).
+        own_start (`torch.LongTensor` of shape `[]`, *optional*): with a static cache, the first position its shared
+            cells read from their rings, on the device (one value for every ring, set when the cache rolls back).
     """
 
     key_valid: torch.Tensor | None
@@ -69,6 +73,8 @@ class AttentionInputs:
     static_valid: torch.Tensor | None = None
     static_mask: torch.Tensor | None = None
     length: int | None = None
+    source_length: torch.Tensor | None = None
+    own_start: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -121,6 +127,7 @@ def dense_attention(
     *,
     key_valid: torch.Tensor | None,
     scaling: float,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last `q` positions of `key`/`value` (the new tokens) over all of them.
 
@@ -134,6 +141,9 @@ def dense_attention(
         value (`torch.Tensor` of shape `[B, H_kv, T, D]`): values, same layout.
         key_valid (`torch.BoolTensor` of shape `[B, >=T]`, *optional*): real-token mask by position.
         scaling (`float`): softmax scale.
+        memo (`dict`, *optional*): per-forward store (`ReadState.memo`): the boolean mask built from `key_valid` is
+            kept there and reused by every cell of the forward with the same shape (a batch with holes would
+            otherwise build it once per cell: about 10% more ops per forward, issue #16).
 
     Returns:
         `torch.Tensor` of shape `[B, H_q, q, D]`.
@@ -157,9 +167,14 @@ def dense_attention(
             positions = torch.arange(total, device=query.device)
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
-        positions = torch.arange(total, device=query.device)
-        # the mask lives on the model's first device; a layer on another (`device_map`) reads a copy
-        mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total].to(query.device))
+        memo_key = f"dense-mask {q_len} {total} {query.device}"  # str keys: a cache holding its last read is a pytree
+        mask = memo.get(memo_key) if memo is not None else None
+        if mask is None:
+            positions = torch.arange(total, device=query.device)
+            # the mask lives on the model's first device; a layer on another (`device_map`) reads a copy
+            mask = causal_padding_mask(positions[past:], positions, key_valid[:, :total].to(query.device))
+            if memo is not None:
+                memo[memo_key] = mask
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     if past > 0 and query.is_cuda and not torch.compiler.is_compiling() and torch.backends.cuda.cudnn_sdp_enabled():
         with sdpa_kernel(_backends_without_cudnn()):

@@ -124,6 +124,8 @@ class LoopCache(Cache):
         self._static_rows, self._static_len = max_batch_size, max_cache_len
         self._length_t: torch.Tensor | None = None  # static: positions held, on the device (advanced in the step)
         self._valid_t: torch.Tensor | None = None  # static: key validity [max_batch_size, max_cache_len]
+        self._source_length_t: torch.Tensor | None = None  # static: positions the final loop holds [1], on the device
+        self._own_start_t: torch.Tensor | None = None  # static: first position every ring is read from, on the device
         self._graphs: dict[Any, Any] = {}  # static: captured decode steps (see `hf_loopcache.models._graphs`)
         self._graph_pool: Any = None  # static: the memory pool the captured steps share
         self.plan = plan
@@ -176,6 +178,7 @@ class LoopCache(Cache):
                     page_size=self.plan.page_size,
                     capacity=ring_capacity(self.plan.window, self.plan.page_size, self.max_rollback),
                     max_batch_size=self.max_batch_size,  # type: ignore[arg-type]
+                    own_start_on_device=False,  # the cache's one `_own_start_t` serves every ring (one fill a rollback)
                 )
             return SharedLayer(source, **sizes)
         nbits = 4 if option == "int4" else 2
@@ -254,6 +257,8 @@ class LoopCache(Cache):
                     static_valid=to(inputs.static_valid, where),
                     static_mask=to(inputs.static_mask, where),
                     length=inputs.length,
+                    source_length=to(inputs.source_length, where),
+                    own_start=to(inputs.own_start, where),
                 )
         return states[str(device)]
 
@@ -370,7 +375,9 @@ class LoopCache(Cache):
         if self._length_t is None or self._valid_t is None or self._length_t.device != torch.device(device):
             self._length_t = torch.zeros((), dtype=torch.long, device=device)
             self._valid_t = torch.zeros(self.max_batch_size, self.max_cache_len, dtype=torch.bool, device=device)  # type: ignore[arg-type]
-            self._length_t.fill_(self.get_seq_length())
+            self._source_length_t = torch.zeros(1, dtype=torch.long, device=device)
+            self._own_start_t = torch.zeros((), dtype=torch.long, device=device)
+            self._sync_device_length()
         length, q = self.get_seq_length(), query_length
         if length + q > self.max_cache_len:  # type: ignore[operator]
             raise ValueError(
@@ -379,6 +386,8 @@ class LoopCache(Cache):
             )
         positions = self._length_t + torch.arange(q, device=device)
         self._length_t.add_(q)
+        if self._draft_loops is None:  # every loop runs: the final loop's cells hold the new positions too
+            self._source_length_t.copy_(self._length_t.view(1))  # type: ignore[union-attr]
         valid = self._valid_t[:batch_size]
         if attention_mask is None:
             valid.index_fill_(1, positions, True)
@@ -404,8 +413,10 @@ class LoopCache(Cache):
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(batch_size, -1)
         key_valid: torch.Tensor | None = valid
-        if q > 1 and not torch.compiler.is_compiling() and (attention_mask is None or bool(valid[:, : length + q].all())):
-            key_valid = None  # a prefill or block of real tokens only: the unmasked fast path (q > 1 is never captured)
+        if q > 1 and length == 0 and not torch.compiler.is_compiling() and (attention_mask is None or bool(valid[:, :q].all())):
+            # a prefill of real tokens only: the unmasked fast path (a prefill is never captured; after it, static
+            # cells read `static_mask` / `static_valid` only, so a block never reads the mask on the host)
+            key_valid = None
         inputs = AttentionInputs(
             key_valid=key_valid,
             scaling=scaling,
@@ -413,22 +424,27 @@ class LoopCache(Cache):
             static_valid=valid,
             static_mask=static_mask(positions, valid) if length > 0 else None,
             length=length,
+            source_length=self._source_length_t,
+            own_start=self._own_start_t,
         )
         return inputs, position_ids
 
     def captured_steps(self) -> list[dict[str, Any]]:
-        """The decode steps `generate` captured for this static cache: batch size and capture seconds (its eager
-        warm-up step plus the capture), one entry per graph."""
+        """The steps captured for this static cache (`generate`'s decode steps, self-speculation's drafts and
+        verifications): batch size, tokens per step and capture seconds (its eager warm-up step plus the capture),
+        one entry per graph."""
         return [
-            {"batch": key[0], "capture_s": round(entry.capture_s, 3)}
+            {"batch": key[0], "tokens": key[1], "capture_s": round(entry.capture_s, 3)}
             for key, entry in self._graphs.items()
             if entry is not None  # None: the step could not be captured and decodes eagerly
         ]
 
-    def _advance_host(self, query_length: int) -> None:
-        """After a replayed decode step: the host lengths of the cells it wrote (every cell) advance."""
-        for layer in self.cells:
-            layer.advance(query_length)  # type: ignore[attr-defined]  # static layers only
+    def _advance_host(self, written: list[int]) -> None:
+        """After a replayed step: the host length of each cell advances by what the step wrote into it (`written`,
+        positions per cell by flat index: the query length for the cells of the loops it ran, 0 for the others)."""
+        for layer, n in zip(self.cells, written):
+            if n:
+                layer.advance(n)  # type: ignore[attr-defined]  # static layers only
 
     def _host_lengths(self) -> list[int]:
         return [layer.length for layer in self.cells]
@@ -440,6 +456,19 @@ class LoopCache(Cache):
     def _sync_device_length(self) -> None:
         if self._length_t is not None:
             self._length_t.fill_(self.get_seq_length())
+        if self._source_length_t is not None:
+            last = self.layout.num_loops - 1
+            self._source_length_t.fill_(min(self.layer_for(cell).length for cell in self.layout.core_cells(last)))
+        if self._own_start_t is not None:
+            rings = [layer.own_start for layer in self.cells if isinstance(layer, StaticSharedLayer)]
+            self._own_start_t.fill_(max(rings, default=0))  # equal after a rollback; the larger is the safe one
+
+    def write_key_valid(self, start: int, valid: torch.Tensor) -> None:
+        """A static cache's key validity of positions `[start, start + n)` per row, `valid` `[B, n]` bool on the
+        device (no host read): how a batched verification's rejected positions become holes without a new mask."""
+        if self._valid_t is None:
+            raise ValueError("`write_key_valid` needs a static cache that has run a forward")
+        self._valid_t[: valid.shape[0], start : start + valid.shape[1]].copy_(valid)
 
     def _select_static_rows(self, index: torch.Tensor) -> None:
         if self._valid_t is not None:
@@ -522,6 +551,7 @@ class LoopCache(Cache):
                 layer.resize(max_rollback)
                 if layer.capacity != old:
                     self._graphs.clear()
+        self._sync_device_length()
 
     def reserve(self, max_length: int) -> None:
         """Allocate every empty cell's storage for `max_length` positions at its first write (full-precision buffers,

@@ -200,7 +200,12 @@ def _choose(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | 
 
 @dataclass
 class _Step:
-    """Inputs every forward of the decoder shares."""
+    """Inputs every forward of the decoder shares.
+
+    `call` runs a forward: the model, or for a static cache its captured-step runner (`model.get_compiled_call`: on
+    CUDA every draft and verification after the prefill replays a CUDA graph per batch, depth and block length). A
+    static cache keeps key validity on the device, so its forwards after the prefill pass no mask (every new token is
+    real) and a verification's rejected positions become holes by `LoopCache.write_key_valid`."""
 
     model: Any
     cache: Any
@@ -209,10 +214,15 @@ class _Step:
     logits_processor: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None
+    call: Any = None  # defaults to the model
+
+    @property
+    def static(self) -> bool:
+        return bool(getattr(self.cache, "static", False))
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor, *, draft: bool, keep: int) -> torch.Tensor:
         kwargs = self.draft_kwargs if draft else self.forward_kwargs
-        out = self.model(
+        out = (self.call or self.model)(
             input_ids=tokens,
             attention_mask=mask,
             use_cache=True,
@@ -221,6 +231,14 @@ class _Step:
             **kwargs,
         )
         return out.logits.float().to(tokens.device)  # the head may sit on another device than the inputs (device_map)
+
+    def grow(self, mask: torch.Tensor, q: int) -> tuple[torch.Tensor, Any]:
+        """The decoder's mask after `q` new real tokens, and the mask the forward of those tokens gets (a static
+        cache: None, its key validity lives on the device)."""
+        if self.static:
+            return mask, None
+        grown = torch.cat([mask, mask.new_ones(mask.shape[0], q)], dim=1)
+        return grown, grown
 
 
 def draft_block(
@@ -233,8 +251,8 @@ def draft_block(
     drafts: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     for _ in range(gamma):
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        logits = step.forward(tokens, mask, draft=True, keep=1)[:, -1]
+        mask, forward_mask = step.grow(mask, 1)
+        logits = step.forward(tokens, forward_mask, draft=True, keep=1)[:, -1]
         extra = torch.stack(drafts, dim=1) if drafts else None
         token, p = _choose(_process(step.logits_processor, rows, logits, extra), step.do_sample, step.generator)
         drafts.append(token)
@@ -249,8 +267,7 @@ def verify_block(step: _Step, rows: _Rows, last: torch.Tensor, draft_tokens: tor
     """One full-depth forward of `[last, y_1 .. y_gamma]`: processed target scores `[B, gamma + 1, V]`."""
     block = torch.cat([last[:, None], draft_tokens], dim=1)
     q = block.shape[1]
-    mask = torch.cat([mask, mask.new_ones(mask.shape[0], q)], dim=1)
-    logits = step.forward(block, mask, draft=False, keep=q)
+    logits = step.forward(block, step.grow(mask, q)[1], draft=False, keep=q)
     if not step.logits_processor:
         return logits
     return torch.stack(
@@ -284,10 +301,14 @@ def accept_block(
 
 def commit_block(cache: Any, mask: torch.Tensor, start: int, accept_length: torch.Tensor, max_accept: int):
     """Keep the verified block's positions `[start, start + 1 + max_accept)`; for row `b` the ones beyond its
-    `1 + k_b` become holes. Returns the new `attention_mask` `[B, start + 1 + max_accept]`."""
+    `1 + k_b` become holes. Returns the new `attention_mask` `[B, start + 1 + max_accept]` (a static cache: the
+    holes are written into its device-side key validity, and `mask` is returned as it is)."""
     cache.rollback(start + 1 + max_accept)
-    kept = torch.arange(1 + max_accept, device=mask.device)[None] <= accept_length[:, None].to(mask.device)
-    return torch.cat([mask, kept.to(mask.dtype)], dim=1)
+    kept = torch.arange(1 + max_accept, device=accept_length.device)[None] <= accept_length[:, None]
+    if getattr(cache, "static", False):
+        cache.write_key_valid(start, kept)
+        return mask
+    return torch.cat([mask, kept.to(mask.device, mask.dtype)], dim=1)
 
 
 # --------------------------------------------------------------------------------------------- the decoder
@@ -324,6 +345,7 @@ def _emit(rows: _Rows, emitted: list[list[int]], rules: tuple[int | None, set[in
                 break
 
 
+@torch.no_grad()  # as `generate`: the plain function too (autograd would record every op of every forward)
 def _speculative_decode(
     model: Any,
     input_ids: torch.Tensor,
@@ -341,6 +363,7 @@ def _speculative_decode(
     speculative_stats: SpeculativeStats | None = None,
     forced_acceptance: float | None = None,
     generator: torch.Generator | None = None,
+    disable_compile: bool = False,
 ) -> torch.Tensor:
     """The decoding loop both entry points share. Returns the sequences `[B, P + max generated]` (pad after a row's
     end, as plain `generate`)."""
@@ -348,7 +371,8 @@ def _speculative_decode(
     b = input_ids.shape[0]
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     draft_kwargs = {**forward_kwargs, **model.draft_kwargs(draft_loops)}
-    step = _Step(model, cache, forward_kwargs, draft_kwargs, logits_processor, do_sample, generator)
+    call = model.get_compiled_call(None) if _captures_speculation(cache) and not disable_compile else model
+    step = _Step(model, cache, forward_kwargs, draft_kwargs, logits_processor, do_sample, generator, call)
     rows = _Rows(prompt=input_ids, generated=[[] for _ in range(b)], finished=[False] * b)
     rules = _stop_rules(stopping_criteria)
     max_length = rules[0]
@@ -391,6 +415,23 @@ def _speculative_decode(
     fill = pad_token_id if pad_token_id is not None else 0
     out = torch.tensor([g + [fill] * (longest - len(g)) for g in rows.generated], dtype=torch.long, device=device)
     return torch.cat([input_ids, out], dim=1)
+
+
+def _captures_speculation(cache: Any) -> bool:
+    """Whether drafts and verifications over `cache` replay captured steps: a static cache whose cells are dense or
+    RIPE's shared ring cells. Static coded cells (LoopKV plans, shared cells with a sink) run self-speculation eagerly
+    for now: their captured drafts did not reproduce the eager tokens on the CPU replay check (issue #16)."""
+    if not getattr(cache, "static", False):
+        return False
+    from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
+
+    if any(isinstance(layer, (StaticCodedLayer, StaticCodedSharedLayer)) for layer in cache.cells):
+        logger.warning_once(
+            "self-speculative decoding over a static cache with coded cells (LoopKV, or shared cells with a sink) runs "
+            "its drafts and verifications eagerly (not captured)"
+        )
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -532,6 +573,7 @@ def self_speculative(
         streamer=streamer,
         speculative_stats=speculative_stats,
         forced_acceptance=forced_acceptance,
+        disable_compile=bool(getattr(generation_config, "disable_compile", False)),
     )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences, **{OUTPUT_CACHE_FIELD: cache})
@@ -556,6 +598,7 @@ def self_speculative_generate(
     speculative_stats: SpeculativeStats | None = None,
     forced_acceptance: float | None = None,
     generator: torch.Generator | None = None,
+    disable_compile: bool = False,
     **model_kwargs: Any,
 ) -> torch.Tensor:
     """Self-speculative decoding as a plain function (no `generate` preparation around it).
@@ -574,6 +617,8 @@ def self_speculative_generate(
         logits_processor / stopping_criteria: extra processors (applied to draft and target) and criteria.
         streamer, speculative_stats, forced_acceptance: see `self_speculative`.
         generator (`torch.Generator`, *optional*): the random source of sampling and forced acceptance.
+        disable_compile (`bool`, *optional*, defaults to False): with a static cache on CUDA, run every forward
+            eagerly instead of replaying captured drafts and verifications (as `generate(..., disable_compile=True)`).
         model_kwargs: passed to every forward (e.g. `init_scale=0` for Huginn).
 
     Returns:
@@ -620,4 +665,5 @@ def self_speculative_generate(
         speculative_stats=speculative_stats,
         forced_acceptance=forced_acceptance,
         generator=generator,
+        disable_compile=disable_compile,
     )

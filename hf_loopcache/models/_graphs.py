@@ -1,11 +1,14 @@
-"""The fast decode path of a static `LoopCache`: the one-token decode forward captured in a CUDA graph per batch size.
+"""The fast decode path of a static `LoopCache`: forwards after the prefill captured in CUDA graphs, one per batch size,
+query length and forward options (loop count, logits kept).
 
 transformers' `generate` decodes through `model.get_compiled_call(compile_config)` when the cache says
 `is_compileable` and the model is on CUDA (5.24 does so by itself; older releases too). The native looped models return
-a `DecodeGraphs` there: the first one-token step of a batch size runs eagerly (it is the warm-up and a real step), then
-the same forward is captured into a CUDA graph; every later step copies its inputs into the graph's input buffers,
-replays it, and advances the cache's host-side lengths. Everything else (prefill, blocks of several tokens, CPU,
-growable caches, calls with tensors among the keyword arguments) runs the model eagerly.
+a `DecodeGraphs` there, and self-speculative decoding calls it for its drafts (one token, `d` loops) and verifications
+(`gamma + 1` tokens, every loop). The first call of a kind runs eagerly (it is the warm-up and a real step), then the
+same forward is captured into a CUDA graph; every later call copies its inputs into the graph's input buffers, replays
+it, and advances the host-side length of each cell the forward wrote (recorded at the warm-up: a draft writes the
+cells of its `d` loops only). Everything else (prefill, CPU, growable caches, calls with tensors among the keyword
+arguments) runs the model eagerly.
 
 The graphs live on the cache (`LoopCache._graphs`), so they are freed with it, and `cache.reset()` keeps them valid (a
 static cache keeps its storage). A captured step reads the cache's device-side length and key validity and the
@@ -39,6 +42,7 @@ class _Captured:
     position_ids: torch.Tensor | None
     logits: torch.Tensor | None = None
     capture_s: float = 0.0  # the eager warm-up step plus the capture
+    written: list[int] | None = None  # positions the forward writes into each cell (flat index)
 
 
 class DecodeGraphs:
@@ -83,47 +87,52 @@ class DecodeGraphs:
             return None
         ids = kwargs.get("input_ids")
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or not self._capturable(ids):
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not self._capturable(ids):
             return None
+        q = ids.shape[1]
         if kwargs.get("inputs_embeds") is not None or kwargs.get("output_attentions") or kwargs.get(
             "output_hidden_states"
         ):
             return None
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             return None
-        if pos is not None and (not isinstance(pos, torch.Tensor) or pos.shape[-1] != 1):
+        if pos is not None and (not isinstance(pos, torch.Tensor) or pos.shape[-1] != q):
             return None
         lengths = cache._host_lengths()
-        if cache._length_t is None or min(lengths) != max(lengths) or lengths[0] + 1 > cache.max_cache_len:
-            return None  # before the prefill, after a draft, or at the end of the storage: eager (raises there)
+        if cache._length_t is None or min(lengths) == 0 or max(lengths) + q > cache.max_cache_len:
+            return None  # before the prefill or at the end of the storage: eager (raises there)
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache",
                                                                "past_key_values", "cache_position")}
         if not all(isinstance(v, _SCALARS) for v in rest.values()):
             return None
         storage = cache.cells[0].k.data_ptr() if getattr(cache.cells[0], "k", None) is not None else 0
-        return (ids.shape[0], mask is not None, pos is not None, storage, tuple(sorted(rest.items())))
+        return (ids.shape[0], q, mask is not None, pos is not None, storage, tuple(sorted(rest.items())))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = generate_cache(kwargs)
         key = None if args else self._key(cache, kwargs)
         if key is None:
             return self.model(*args, **kwargs)
+        q = key[1]
         mask = kwargs.get("attention_mask")
-        if mask is not None and mask.shape[1] > 1:  # earlier columns may have changed (holes of a verification)
-            width = min(mask.shape[1] - 1, cache.max_cache_len)
+        if mask is not None and mask.shape[1] > q:  # earlier columns may have changed (holes of a verification)
+            width = min(mask.shape[1] - q, cache.max_cache_len)
             cache._valid_t[: mask.shape[0], :width].copy_(mask[:, :width].bool())
         if key in cache._graphs and cache._graphs[key] is None:  # capture failed before: eager
             return self.model(*args, **kwargs)
         entry = cache._graphs.get(key)
         if entry is None:
             return self._capture(key, cache, kwargs)
+        lengths = cache._host_lengths()
+        if len({n for n, w in zip(lengths, entry.written) if w}) != 1:  # type: ignore[arg-type]
+            return self.model(*args, **kwargs)  # the cells it writes disagree (a draft not rolled back): eager raises
         entry.input_ids.copy_(kwargs["input_ids"])
         if entry.attention_mask is not None:
-            entry.attention_mask.copy_(mask[:, -1:])
+            entry.attention_mask.copy_(mask[:, -q:])
         if entry.position_ids is not None:
             entry.position_ids.copy_(kwargs["position_ids"].reshape(entry.position_ids.shape))
         entry.graph.replay()
-        cache._advance_host(1)
+        cache._advance_host(entry.written)
         return CausalLMOutputWithPast(logits=entry.logits.clone(), **{OUTPUT_CACHE_FIELD: cache})
 
     def _forward(self, entry: _Captured, cache: Any, kwargs: dict[str, Any]) -> Any:
@@ -140,15 +149,18 @@ class DecodeGraphs:
     def _capture(self, key: tuple, cache: Any, kwargs: dict[str, Any]) -> Any:
         start = time.perf_counter()
         ids, mask, pos = kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids")
+        q = ids.shape[1]
         entry = _Captured(
             graph=None,
             input_ids=ids.clone(),
-            attention_mask=None if mask is None else mask[:, -1:].clone(),
-            position_ids=None if pos is None else pos.reshape(ids.shape[0], 1).clone(),
+            attention_mask=None if mask is None else mask[:, -q:].clone(),
+            position_ids=None if pos is None else pos.reshape(ids.shape[0], q).clone(),
         )
         # the warm-up is this step, run eagerly (it writes the cache)
+        before = cache._host_lengths()
         logits = self._warm_up(lambda: self._forward(entry, cache, kwargs).logits.clone())
         lengths = cache._host_lengths()
+        entry.written = [after - earlier for after, earlier in zip(lengths, before)]
         try:
             entry.graph, entry.logits = self._record(lambda: self._forward(entry, cache, kwargs).logits, cache)
         except RuntimeError as err:  # an op that cannot be captured: this batch size decodes eagerly from now on

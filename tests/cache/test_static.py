@@ -276,7 +276,7 @@ class _ReplayedStep:
 
 
 def _device_state(cache):
-    tensors = [cache._length_t, cache._valid_t]
+    tensors = [t for t in (cache._length_t, cache._valid_t, cache._source_length_t, cache._own_start_t) if t is not None]
     for layer in cache.cells:
         tensors += [getattr(layer, name) for name in ("k", "v", "own_start_t") if getattr(layer, name, None) is not None]
     return tensors

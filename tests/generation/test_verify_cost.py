@@ -162,3 +162,42 @@ def test_plain_function_reserves_the_cache_so_no_cell_regrows(monkeypatch):
     )
     assert cache.get_seq_length() >= 300 + 19
     assert allocations == [300 + 20] * len(cache.cells), (len(allocations), len(cache.cells), set(allocations))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cache_name", ["full", "ripe-W=gamma"])
+@pytest.mark.parametrize("arch", ["huginn", "ouro"])
+def test_a_batch_with_holes_builds_its_masks_and_boundaries_once_per_forward(arch, cache_name, monkeypatch):
+    """Rows that accepted different lengths leave holes; the hole-aware pieces a forward needs are the same for every
+    cell of it, so they are built once per forward, not once per cell: the dense cells' boolean mask, and the
+    windowed cells' per-row read boundaries (with their one host read). Per cell they cost a batch-8 verification on
+    Huginn-0125's shape about 1.1-1.2 decode steps in the eager path on the H200 (issue #16, `v` of the v2 table)."""
+    from hf_loopcache.cache.layers import windowed
+
+    loop_kwarg = {"mean_recurrence": 4} if arch == "huginn" else {"total_ut_steps": 4, "num_hidden_layers": 4}
+    model = make_model(arch, **loop_kwarg)
+    cache = _CACHES[cache_name](model)
+    ids = torch.randint(3, 60, (3, 16), generator=torch.Generator().manual_seed(0))
+    kwargs = call_kwargs(arch)
+    mask = torch.ones(3, 16 + 3 + GAMMA + 1, dtype=torch.long)
+    model(input_ids=ids, attention_mask=mask[:, :16], past_key_values=cache, use_cache=True, **kwargs)
+    model(input_ids=ids[:, :3], attention_mask=mask[:, :19], past_key_values=cache, use_cache=True, **kwargs)
+    mask[1:, 17:19] = 0  # rows 1 and 2 rejected the last two positions of that block: holes
+    calls: collections.Counter[str] = collections.Counter()
+    padding_mask, searchsorted = attention.causal_padding_mask, torch.searchsorted
+
+    def count(name, fn):
+        def spy(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return spy
+
+    monkeypatch.setattr(attention, "causal_padding_mask", count("dense mask", padding_mask))
+    monkeypatch.setattr(windowed.torch, "searchsorted", count("row boundaries", searchsorted))
+    model(input_ids=ids[:, : GAMMA + 1], attention_mask=mask, past_key_values=cache, use_cache=True, **kwargs)
+    dense = sum(1 for layer in cache.cells if type(layer).__name__ == "DenseLayer")
+    assert dense > 2 and calls["dense mask"] == 1, dict(calls)
+    if cache_name != "full":
+        shared = sum(1 for layer in cache.cells if type(layer).__name__ == "SharedLayer")
+        assert shared > 2 and calls["row boundaries"] <= 3, dict(calls)  # read ends, keep boundary: not per cell

@@ -105,8 +105,8 @@ class CodedLayer(WindowedLayer):
         return self.history_view(self.sink, end)
 
     def _store(self, key, value, first, new_len, read):
-        code_to = max(self.code_end, self._code_boundary(new_len, read.effective))
-        keep = min(self._keep_boundary(new_len, read.effective), code_to)
+        code_to = max(self.code_end, self._code_boundary(new_len, read))
+        keep = min(self._keep_boundary(new_len, read), code_to)
         if code_to > self.code_end:
             parts_k, parts_v = [], []
             start = self.code_end

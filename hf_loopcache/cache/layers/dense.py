@@ -54,7 +54,7 @@ class DenseLayer(LoopLayerBase):
     def attend(self, query, key, value, read):
         self._append(key, value)
         k, v = self.buf.view(0, self.length)
-        return dense_attention(query, k, v, key_valid=read.key_valid, scaling=read.scaling)
+        return dense_attention(query, k, v, key_valid=read.key_valid, scaling=read.scaling, memo=read.memo)
 
     def full_states(self):
         if self.length == 0:

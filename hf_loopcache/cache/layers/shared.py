@@ -37,7 +37,7 @@ class SharedLayer(WindowedLayer):
         return self.source.history_view(self.sink, end)
 
     def _store(self, key, value, first, new_len, read):
-        keep = self._keep_boundary(new_len, read.effective)
+        keep = self._keep_boundary(new_len, read)
         # never drop a position the source will not serve after this forward (it is written later in a complete
         # forward, not at all in a draft)
         cap = self.source.readable_limit(new_len) if read.complete else self.source.readable_limit()

@@ -332,6 +332,8 @@ class StaticSharedLayer(_StaticStorage):
         capacity (`int`): ring positions, at least `W + P - 1 + max(q, rollback)` for exact reads of `q`-token forwards
             and crops of up to `rollback` positions (`LoopCache` sizes it).
         max_batch_size (`int`): rows of the ring.
+        own_start_on_device (`bool`, *optional*, defaults to True): keep a device copy of `own_start`; False when the
+            forward hands it over (`ReadState.own_start`: a static `LoopCache` keeps one for every ring).
     """
 
     is_compileable = True
@@ -340,8 +342,18 @@ class StaticSharedLayer(_StaticStorage):
     #: the source and the ring, a copy of the source's keys and values per cell and step
     read_in_place = False
 
-    def __init__(self, source: StaticDenseLayer, *, window: int, page_size: int, capacity: int, max_batch_size: int):
+    def __init__(
+        self,
+        source: StaticDenseLayer,
+        *,
+        window: int,
+        page_size: int,
+        capacity: int,
+        max_batch_size: int,
+        own_start_on_device: bool = True,
+    ):
         super().__init__()
+        self.own_start_on_device = own_start_on_device
         if not isinstance(source, StaticDenseLayer):
             raise TypeError(f"`source` of a static shared cell must be a StaticDenseLayer, got {type(source).__name__}")
         self.source, self.window, self.page = source, window, page_size
@@ -357,8 +369,9 @@ class StaticSharedLayer(_StaticStorage):
         return self.capacity
 
     def _storage_allocated(self, device: torch.device) -> None:
-        self.own_start_t = torch.zeros((), dtype=torch.long, device=device)
-        self.own_start_t.fill_(self.own_start)
+        if self.own_start_on_device:
+            self.own_start_t = torch.zeros((), dtype=torch.long, device=device)
+            self.own_start_t.fill_(self.own_start)
 
     def boundary(self, effective: torch.Tensor) -> torch.Tensor:
         """`H` of effective positions (any shape)."""
@@ -408,10 +421,16 @@ class StaticSharedLayer(_StaticStorage):
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
         valid = read.static_valid[: self.rows]  # type: ignore[index]
         # what the source holds: all `length` positions in a complete forward (written later in it), else its own
-        src_limit = positions[:1] if read.complete else min(length, self.source.length)
+        # (in a draft: the cache's device-side final-loop length, so a captured draft reads no host length)
+        if read.complete:
+            src_limit = positions[:1]
+        elif read.source_length is not None:
+            src_limit = read.source_length
+        else:
+            src_limit = min(length, self.source.length)
         return self._read(query, positions, valid, src_limit, read)
 
-    def _masks(self, positions, valid, src_limit) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, positions, valid, src_limit, own_start) -> tuple[torch.Tensor, torch.Tensor]:
         """Visibility of the source's storage `[B, 1, q, max_len]` and of the ring `[B, 1, q, capacity]` to the
         queries at `positions`; the same for every shared cell of the forward (same window, page, ring size and
         reserve start), so computed once per forward."""
@@ -420,7 +439,7 @@ class StaticSharedLayer(_StaticStorage):
         h = self.boundary(eff.index_select(1, positions))  # [B, q]
         stored = (eff[:, None, :] < h[:, :, None]).sum(-1)  # [B, q]: storage boundary (eff is non-decreasing)
         hist_end = torch.minimum(stored, torch.as_tensor(src_limit, device=eff.device))
-        hist_end = torch.maximum(hist_end, torch.maximum(self.own_start_t, end - self.capacity))  # [B, q]
+        hist_end = torch.maximum(hist_end, torch.maximum(own_start, end - self.capacity))  # [B, q]
         j = torch.arange(valid.shape[1], device=valid.device)
         src_mask = (j[None, None, :] < hist_end[..., None]) & valid[:, None, :]  # [B, q, L]
         slots = torch.arange(self.capacity, device=valid.device)
@@ -443,11 +462,14 @@ class StaticSharedLayer(_StaticStorage):
         sk, sv = self.source._views()
         rk, rv = self._views()
         groups = query.shape[1] // rk.shape[1]
-        where = src_limit if isinstance(src_limit, int) else "complete"
+        where = src_limit if isinstance(src_limit, int) else ("complete" if read.complete else "draft")
         key = ("static-shared", self.window, self.page, self.capacity, where)
         masks = read.memo.get(key)
         if masks is None:
-            masks = read.memo[key] = self._masks(positions, valid, src_limit)
+            own_start = read.own_start if read.own_start is not None else self.own_start_t
+            if own_start is None:
+                own_start = torch.tensor(self.own_start, device=valid.device)
+            masks = read.memo[key] = self._masks(positions, valid, src_limit, own_start)
         if StaticDenseLayer.read_method == "matmul":
             segments = [(sk, sv, group_rows(masks[0], groups)), (rk, rv, group_rows(masks[1], groups))]
             return masked_attention(query, segments, scaling=read.scaling)

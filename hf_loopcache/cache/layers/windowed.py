@@ -67,12 +67,23 @@ class WindowedLayer(LoopLayerBase):
         """`H(t)`: the query at position `t` reads positions `[S, H(t))` from the history."""
         return window_boundary(t, sink=self.sink, window=self.window, page_size=self.page)
 
-    def _row_boundaries(self, positions: torch.Tensor, effective: torch.Tensor, stored: int) -> torch.Tensor:
-        """Storage boundaries `[B, k]` of the queries at storage `positions` `[k]` per row: the number of stored
-        positions `j < stored` whose effective position is below `H(effective position of the query)`."""
-        e = effective[:, positions]  # [B, k]
-        h = self.sink + self.page * ((e - self.sink - self.window).clamp(min=0) // self.page)
-        return torch.searchsorted(effective[:, :stored].contiguous(), h)
+    def _row_boundaries(self, first: int, count: int, read: ReadState, stored: int) -> tuple[torch.Tensor, int, int]:
+        """Storage boundaries `[B, count]` of the queries at storage positions `[first, first + count)` per row (the
+        number of stored positions `j < stored` whose effective position is below `H(effective position of the
+        query)`), with their minimum and maximum on the host. The same for every cell of the forward with this sink,
+        window and page, so computed once per forward (`read.memo`: one host read per forward, not per cell)."""
+        key = f"row-boundaries {self.sink} {self.window} {self.page} {first} {count} {stored}"  # str: a pytree
+        hit = read.memo.get(key)
+        if hit is None:
+            effective = read.effective
+            assert effective is not None  # noqa: S101 - callers check
+            positions = torch.arange(first, first + count, device=effective.device)
+            e = effective[:, positions]  # [B, k]
+            h = self.sink + self.page * ((e - self.sink - self.window).clamp(min=0) // self.page)
+            rows = torch.searchsorted(effective[:, :stored].contiguous(), h)
+            low, high = torch.stack([rows.min(), rows.max()]).tolist()
+            hit = read.memo[key] = (rows, int(low), int(high))
+        return hit
 
     def history_ends(self, length: int, q: int, read: ReadState) -> tuple[torch.Tensor, int]:
         """`history_end` `[B, q]` of the queries at `[length, length + q)` and its maximum."""
@@ -82,29 +93,27 @@ class WindowedLayer(LoopLayerBase):
             ends = [max(low, min(self.read_boundary(t), limit)) for t in range(length, length + q)]
             end_t = torch.tensor(ends, dtype=torch.int32, device=self.device)[None].expand(self._batch, q)
             return end_t, max(ends)
-        positions = torch.arange(length, length + q, device=read.effective.device)
-        rows = self._row_boundaries(positions, read.effective, length).clamp(min=low, max=limit)
-        return rows.to(torch.int32), int(rows.max())
+        rows, _, high = self._row_boundaries(length, q, read, length)
+        return rows.clamp(min=low, max=limit).to(torch.int32), max(low, min(high, limit))
 
-    def _keep_boundary(self, length: int, effective: torch.Tensor | None) -> int:
+    def _keep_boundary(self, length: int, read: ReadState) -> int:
         """First position the own window keeps at `length` positions: `H(length - rollback)` (the smallest over rows
         with holes, page aligned), never below what it keeps now."""
         p = max(0, length - self.rollback)
-        if effective is None:
+        if read.effective is None:
             keep = self.read_boundary(p)
         else:
-            rows = self._row_boundaries(torch.tensor([p], device=effective.device), effective, length)
-            keep = page_floor(int(rows.min()), start=self.sink, page_size=self.page)
+            keep = page_floor(self._row_boundaries(p, 1, read, length)[1], start=self.sink, page_size=self.page)
         return max(self.recent.start, keep)
 
-    def _code_boundary(self, length: int, effective: torch.Tensor | None) -> int:
+    def _code_boundary(self, length: int, read: ReadState) -> int:
         """End of the history every later query reads at least: `H(length)` (the largest over rows with holes, page
         aligned and never past the last whole page)."""
-        if effective is None:
+        if read.effective is None:
             return self.read_boundary(length)
-        rows = self._row_boundaries(torch.tensor([length], device=effective.device), effective, length)
+        high = self._row_boundaries(length, 1, read, length)[2]
         return min(
-            page_floor(int(rows.max()), start=self.sink, page_size=self.page),
+            page_floor(high, start=self.sink, page_size=self.page),
             page_floor(length, start=self.sink, page_size=self.page),
         )
 
@@ -181,8 +190,11 @@ class WindowedLayer(LoopLayerBase):
             self.lazy_initialization(key, value)
         n, q = self.length, key.shape[2]
         new_len = n + q
-        if read.key_valid is not None:
-            self._valid = read.key_valid[:, :new_len].clone()
+        if read.key_valid is not None:  # one copy per forward, which every cell of it keeps (never written in place)
+            memo_key = f"windowed-valid {new_len} {read.key_valid.device}"  # str keys: the cache stays a pytree
+            if memo_key not in read.memo:
+                read.memo[memo_key] = read.key_valid[:, :new_len].clone()
+            self._valid = read.memo[memo_key]
         elif self._valid is not None:
             self._valid = torch.cat([self._valid[:, :n], self._valid.new_ones(self._valid.shape[0], q)], dim=1)
         n_sink = max(0, min(self.sink, new_len) - n)

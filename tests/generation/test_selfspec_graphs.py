@@ -1,0 +1,274 @@
+"""Self-speculative decoding over a static cache with captured drafts and verifications.
+
+On CUDA every draft (one token, `d` loops) and verification (`gamma + 1` tokens, every loop) after the prefill replays
+a CUDA graph per (batch, depth, block length) (`DecodeGraphs`); rows' holes are device-side key validity, written at the
+commit (`LoopCache.write_key_valid`), and a draft's shared cells read their sources up to a device-side length. On the
+CPU the same runner is driven with recording and replay stood in for (a replay reruns the step with every host length
+frozen at its recording, as a CUDA graph replays kernels whose host arguments were fixed then), and the step is run
+under a dispatch mode that raises on any host read of a device value. Greedy output equals sequential greedy decoding
+(full cache; RIPE with `W >= gamma`) and the eager static run (deepest plane, approximate).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, self_speculative_generate
+from hf_loopcache.models._graphs import DecodeGraphs
+from tests.cache.test_static import _device_state, _ReplayedStep
+from tests.helpers import call_kwargs, make_model
+
+GAMMA = 3
+CACHES = {
+    "full": lambda model, **kw: FullLoopCache(model, **kw),
+    "ripe3": lambda model, **kw: RIPECache(model, window=GAMMA, **kw),  # W = gamma: RIPE Proposition 1 holds
+    "deepest": lambda model, **kw: DeepestPlaneCache(model, **kw),
+}
+EXACT = {"full", "ripe3"}
+
+
+def _batch():
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7], [0, 0, 0, 21, 3, 44, 6, 50], [0, 11, 29, 4, 60, 13, 8, 31]])
+    return ids, (ids != 0).long()
+
+
+def _spec(model, arch, cache, ids, mask, new=12, block_size=GAMMA, **kw):
+    return self_speculative_generate(
+        model, ids, attention_mask=mask, cache=cache, draft_loops=model.loop_layout.num_loops - 1,
+        block_size=block_size, max_new_tokens=new, eos_token_id=None, pad_token_id=0, **call_kwargs(arch), **kw,
+    )
+
+
+def _stand_in_graphs(monkeypatch):
+    """`DecodeGraphs` on the CPU: captures allowed, the warm-up run inline, recording replaced by `_ReplayedStep`."""
+
+    def record(self, fn, cache):
+        before = [t.clone() for t in _device_state(cache)]
+        with torch.no_grad():
+            out = fn()
+        for t, saved in zip(_device_state(cache), before):  # recording runs nothing on a real device
+            t.copy_(saved)
+        return _ReplayedStep(fn, out, cache), out
+
+    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_captured_drafts_and_verifications_equal_sequential_greedy(monkeypatch, arch, name):
+    """Left-padded batch of 3 whose rows accept different lengths: drafts and verifications replay their recordings
+    (host lengths frozen), and the tokens equal sequential greedy decoding (exact caches) and the eager static run;
+    a reset cache replays the same recordings again."""
+    _stand_in_graphs(monkeypatch)
+    model = make_model(arch).float()
+    ids, mask = _batch()
+    sequential = _spec(model, arch, CACHES[name](model), ids, mask, block_size=0)  # `block_size` 0: plain greedy
+    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=80)
+    eager = _spec(model, arch, cache, ids, mask, disable_compile=True)
+    assert not cache._graphs
+    cache.reset()
+    captured = _spec(model, arch, cache, ids, mask)
+    kinds = {(key[0], key[1], dict(key[-1]).get(model.loop_kwarg)) for key in cache._graphs}
+    draft, loops = model.loop_layout.num_loops - 1, model.loop_layout.num_loops
+    assert (3, 1, draft) in kinds and (3, GAMMA + 1, None) in kinds  # drafts and full-depth verifications
+    replays = sum(entry.graph.replays for entry in cache._graphs.values())
+    assert replays > 10
+    cache.reset()
+    again = _spec(model, arch, cache, ids, mask)
+    assert sum(entry.graph.replays for entry in cache._graphs.values()) > 2 * replays  # nothing recorded anew
+    assert torch.equal(captured, eager) and torch.equal(again, eager)
+    if name in EXACT:
+        assert torch.equal(eager, sequential)
+    assert loops > draft
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_static_sequential_decoding_through_the_captured_step(monkeypatch, arch):
+    """`block_size=0` (the benchmarks' sequential baseline) over a static cache replays one captured one-token step."""
+    _stand_in_graphs(monkeypatch)
+    model = make_model(arch).float()
+    ids, mask = _batch()
+    expected = _spec(model, arch, FullLoopCache(model), ids, mask, block_size=0)
+    cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=40)
+    assert torch.equal(_spec(model, arch, cache, ids, mask, block_size=0), expected)
+    assert [(key[0], key[1]) for key in cache._graphs] == [(3, 1)]
+    assert next(iter(cache._graphs.values())).graph.replays == 10  # 12 tokens: prefill, the recorded step, 10
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Raises on any op that reads a device value on the host (`.item()`, `bool(t)`, `int(t)`, data-dependent
+    shapes), which a CUDA graph cannot hold and which would stall the host on every step."""
+
+    SYNCS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "masked_select", "allclose", "unique"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else [])
+        )
+        if name in self.SYNCS or bool_index:
+            raise AssertionError(f"host sync in the captured step: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_draft_and_verification_steps_read_no_device_value_on_the_host(monkeypatch, arch, name):
+    """The forwards a captured self-speculative block runs (a draft step with `d` loops, a second draft step whose
+    deep cells lag, a verification of `gamma + 1` tokens over rows with holes), as the static cache runs them after
+    the prefill: no op reads a device value on the host (`.tolist()` is patched to raise as well). The check fails
+    if, e.g., a verification tests its mask on the host for the unmasked path."""
+    model = make_model(arch).float()
+    ids, mask = _batch()
+    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=40)
+    cache.set_max_rollback(GAMMA)
+    kwargs = call_kwargs(arch)
+    draft = model.draft_kwargs(model.loop_layout.num_loops - 1)
+    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+    n = cache.get_seq_length()
+    model(input_ids=ids[:, :GAMMA + 1], cache=cache, use_cache=True, logits_to_keep=GAMMA + 1, **kwargs)
+    cache.rollback(n + 2)
+    cache.write_key_valid(n, torch.tensor([[True, True], [True, False], [True, False]]))  # holes
+    token = ids[:, -1:]
+
+    def tolist(self):
+        raise AssertionError("host sync in the captured step: tolist")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    with _NoHostSync():
+        model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1, **kwargs, **draft)
+        model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1, **kwargs, **draft)
+    monkeypatch.undo()
+    cache.rollback(n + 2)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    new_columns = torch.ones(3, GAMMA + 1, dtype=torch.long)  # what the graph runner hands a block's forward
+    with _NoHostSync():
+        model(input_ids=ids[:, :GAMMA + 1], attention_mask=new_columns, cache=cache, use_cache=True,
+              logits_to_keep=GAMMA + 1, **kwargs)
+
+
+def test_the_no_host_sync_check_catches_a_host_read():
+    """The mode above is a real check: the growable cache's forward tests its mask on the host (`bool(mask.all())`)."""
+    model = make_model("ouro").float()
+    ids, mask = _batch()
+    cache = FullLoopCache(model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=cache)
+        with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+            model(input_ids=ids[:, :2], attention_mask=torch.cat([mask, torch.ones(3, 2)], dim=1).long(), cache=cache)
+
+
+def test_write_key_valid_needs_a_static_cache_that_ran():
+    model = make_model("ouro").float()
+    with pytest.raises(ValueError, match="write_key_valid"):
+        FullLoopCache(model, static=True, max_batch_size=1, max_cache_len=8).write_key_valid(0, torch.ones(1, 1).bool())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_captured_self_speculation_equals_eager_cuda(arch, name):
+    """On CUDA (fp32): self-speculation replaying captured drafts and verifications gives the eager static run's
+    tokens, which equal sequential greedy decoding for the exact caches; a reset cache replays without recapturing."""
+    model = make_model(arch).float().cuda()
+    ids, mask = (t.cuda() for t in _batch())
+    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=80)
+    eager = _spec(model, arch, cache, ids, mask, disable_compile=True)
+    cache.reset()
+    captured = _spec(model, arch, cache, ids, mask)
+    steps = cache.captured_steps()
+    assert {(s["batch"], s["tokens"]) for s in steps} >= {(3, 1), (3, GAMMA + 1)}
+    cache.reset()
+    again = _spec(model, arch, cache, ids, mask)
+    assert len(cache.captured_steps()) == len(steps)
+    assert torch.equal(captured, eager) and torch.equal(again, eager)
+    if name in EXACT:
+        assert torch.equal(eager, _spec(model, arch, CACHES[name](model), ids, mask, block_size=0))
+
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_a_replayed_draft_advances_only_the_cells_it_writes(monkeypatch, arch):
+    """After replayed draft steps the cache reports what an eager draft leaves: planes `< d` hold the draft positions,
+    planes `>= d` do not (`loop_lengths`), so `rollback` and the next verification see the state they expect."""
+    _stand_in_graphs(monkeypatch)
+    model = make_model(arch).float()
+    ids, mask = _batch()
+    d = model.loop_layout.num_loops - 1
+    runner = model.get_compiled_call(None)
+    cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=40)
+    kwargs = {**call_kwargs(arch), **model.draft_kwargs(d)}
+    runner(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1, **call_kwargs(arch))
+    n = cache.get_seq_length()
+    for _ in range(3):  # the first is recorded, the others replay it
+        runner(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+    assert next(iter(cache._graphs.values())).graph.replays == 2
+    assert cache.loop_lengths() == [n + 3] * d + [n] * (model.loop_layout.num_loops - d)
+    assert cache.get_seq_length() == n + 3
+
+
+@torch.no_grad()
+def test_a_static_rollback_costs_a_few_device_ops_not_one_per_ring():
+    """Self-speculation rolls the cache back twice a block; a static RIPE cache keeps one device-side ring start for
+    every shared cell (`ReadState.own_start`), so a rollback fills a few scalars, not one per ring (Huginn-0125's
+    shape: 124 rings, 250 launches a block), and decoding after it still reads what sequential decoding reads."""
+    model = make_model("huginn", mean_recurrence=8).float()
+    ids, mask = _batch()
+    cache = RIPECache(model, window=GAMMA, static=True, max_batch_size=3, max_cache_len=64)
+    cache.set_max_rollback(GAMMA)
+    rings = sum(1 for layer in cache.cells if type(layer).__name__ == "StaticSharedLayer")
+    model(input_ids=ids, attention_mask=mask, cache=cache, **call_kwargs("huginn"))
+    for _ in range(3):
+        model(input_ids=ids[:, :GAMMA + 1], cache=cache, **call_kwargs("huginn"))
+    fills = []
+    fill, zero = torch.Tensor.fill_, torch.Tensor.zero_
+    torch.Tensor.fill_ = lambda self, *a: (fills.append(1), fill(self, *a))[1]
+    torch.Tensor.zero_ = lambda self: (fills.append(1), zero(self))[1]
+    try:
+        cache.rollback(cache.get_seq_length() - 2)
+    finally:
+        torch.Tensor.fill_, torch.Tensor.zero_ = fill, zero
+    assert rings > 10 and len(fills) <= 3, (rings, len(fills))
+
+
+def test_the_plain_function_decodes_without_autograd(monkeypatch):
+    """`self_speculative_generate` runs its forwards under `no_grad` as `generate` does (the benchmarks call it: with
+    autograd on, every op of every forward was recorded, and a captured step would record it too)."""
+    model = make_model("ouro").float()
+    seen = []
+    forward = type(model).forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    ids, mask = _batch()
+    _spec(model, "ouro", FullLoopCache(model), ids, mask, new=4)
+    assert seen and not any(seen)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_static_coded_cells_run_self_speculation_eagerly(monkeypatch, arch):
+    """Static LoopKV cells (and shared cells with a sink) are not captured for self-speculation yet: drafts and
+    verifications run eagerly, with the eager static run's tokens (their captured drafts did not match it)."""
+    from hf_loopcache import build_cache
+
+    _stand_in_graphs(monkeypatch)
+    model = make_model(arch).float()
+    ids, mask = _batch()
+    cache = build_cache(model, "loopkv:kivi4-share", group_size=8, window=4, sink=2, page_size=4, static=True,
+                        max_batch_size=3, max_cache_len=80)
+    eager = _spec(model, arch, cache, ids, mask, disable_compile=True)
+    cache.reset()
+    assert torch.equal(_spec(model, arch, cache, ids, mask), eager)
+    assert not cache._graphs
