@@ -354,11 +354,14 @@ def main(argv: list[str] | None = None) -> None:
         return args.deadline_s is not None and time.perf_counter() - t0 + seconds > args.deadline_s
 
     if device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        where = torch.device(device)
+        if where.index is None:  # `cuda` alone: the current device (the memory-fraction call needs an index)
+            where = torch.device("cuda", torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(where).total_memory
         budget = int(args.budget_gib * GIB) if args.budget_gib is not None else total
         if budget > total:
             raise SystemExit(f"--budget-gib ({args.budget_gib}) exceeds the GPU's {total / GIB:.1f} GiB")
-        torch.cuda.set_per_process_memory_fraction(budget / total, torch.device(device))
+        torch.cuda.set_per_process_memory_fraction(budget / total, where)
     elif args.budget_gib is None:
         raise SystemExit("--budget-gib is required off CUDA (no device memory to read)")
     else:

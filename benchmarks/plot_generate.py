@@ -1,6 +1,7 @@
 """Plot `benchmarks.run generate` results: decode tokens/s and peak memory per cache and batch.
 
-`python -m benchmarks.plot_generate benchmarks/results/<name>.json [...] --out benchmarks/results/<name>.png`
+`python -m benchmarks.plot_generate benchmarks/results/<name>.json [...] --out benchmarks/results/<name>.png`; a
+configuration found in several files is drawn from the last file that has it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for f in args.results for r in json.loads(Path(f).read_text())["rows"] if r.get("status") == "ok"]
+    latest: dict[tuple, dict] = {}  # a configuration measured in several files: the later file's row is drawn
+    for f in args.results:
+        for r in json.loads(Path(f).read_text())["rows"]:
+            if r.get("status") == "ok":
+                latest[(r["shape"], r["model"], _name(r), r["batch"], r["context"])] = r
+    rows = list(latest.values())
     shapes = sorted({r["shape"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     longest = {shape: max(r["context"] for r in rows if r["shape"] == shape) for shape in shapes}
