@@ -91,6 +91,19 @@ class _StaticStorage(LoopLayerBase):
         """Positions this cell's own `k` / `v` are allocated for."""
         raise NotImplementedError
 
+    def _positions(self, q: int, read: ReadState) -> torch.Tensor:
+        """Storage positions of the forward's `q` new tokens: the forward's device-side positions (every cell of a
+        forward writes at the same ones), or the next `q` after this cell's own length."""
+        if read.positions is not None:
+            if read.length is not None and read.length != self.length:
+                raise ValueError(
+                    f"a static cache writes every cell of a forward at the same positions, but this cell holds "
+                    f"{self.length} positions and the cache {read.length}; roll a partial-depth draft back "
+                    f"(`cache.rollback`) before a forward that runs deeper loops"
+                )
+            return read.positions
+        return torch.arange(self.length, self.length + q, device=self.device)
+
     def _storage_allocated(self, device: torch.device) -> None:
         """Called after `k` / `v` were (re)allocated on `device`."""
 
@@ -190,17 +203,6 @@ class StaticDenseLayer(_StaticStorage):
         k.index_copy_(2, positions, key.to(k.dtype))
         v.index_copy_(2, positions, value.to(v.dtype))
         self.length += q
-
-    def _positions(self, q: int, read: ReadState) -> torch.Tensor:
-        if read.positions is not None:
-            if read.length is not None and read.length != self.length:
-                raise ValueError(
-                    f"a static cache writes every cell of a forward at the same positions, but this cell holds "
-                    f"{self.length} positions and the cache {read.length}; roll a partial-depth draft back "
-                    f"(`cache.rollback`) before a forward that runs deeper loops"
-                )
-            return read.positions
-        return torch.arange(self.length, self.length + q, device=self.device)
 
     def advance(self, query_length: int) -> None:
         """Host bookkeeping of a replayed step that wrote `query_length` positions."""
@@ -406,16 +408,7 @@ class StaticSharedLayer(_StaticStorage):
                 f"the prefill (its ring holds {self.capacity} positions), got {q}; build the cache with a larger "
                 f"`max_rollback`"
             )
-        if read.positions is not None:
-            if read.length is not None and read.length != length:
-                raise ValueError(
-                    f"a static cache writes every cell of a forward at the same positions, but this cell holds "
-                    f"{length} positions and the cache {read.length}; roll a partial-depth draft back "
-                    f"(`cache.rollback`) before a forward that runs deeper loops"
-                )
-            positions = read.positions
-        else:
-            positions = torch.arange(length, length + q, device=self.device)
+        positions = self._positions(q, read)
         self._write(key, value, positions)
         if length == 0:  # nothing cached: plain causal attention over the new tokens (as every cell computes it)
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)

@@ -114,15 +114,7 @@ class _StaticWindowed(_StaticStorage):
     # ------------------------------------------------------------------ writes
     def _positions(self, q: int, read: ReadState) -> torch.Tensor:
         self.valid = read.static_valid
-        if read.positions is None:
-            return torch.arange(self.length, self.length + q, device=self.device)
-        if read.length is not None and read.length != self.length:
-            raise ValueError(
-                f"a static cache writes every cell of a forward at the same positions, but this cell holds "
-                f"{self.length} positions and the cache {read.length}; roll a partial-depth draft back "
-                f"(`cache.rollback`) before a forward that runs deeper loops"
-            )
-        return read.positions
+        return super()._positions(q, read)
 
     def _store(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         """Write the new positions into the sink (those below `S`) and the ring (every one)."""
