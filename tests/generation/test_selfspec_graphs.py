@@ -260,15 +260,22 @@ def test_the_plain_function_decodes_without_autograd(monkeypatch):
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_static_coded_cells_run_self_speculation_eagerly(monkeypatch, arch):
     """Static LoopKV cells (and shared cells with a sink) are not captured for self-speculation yet: drafts and
-    verifications run eagerly, with the eager static run's tokens (their captured drafts did not match it)."""
+    verifications run eagerly, with the growable cache's tokens at batch 1; a batch, whose rows leave holes these
+    cells do not take, is refused (it gave other tokens than the growable cache, silently)."""
     from hf_loopcache import build_cache
 
     _stand_in_graphs(monkeypatch)
     model = make_model(arch).float()
     ids, mask = _batch()
-    cache = build_cache(model, "loopkv:kivi4-share", group_size=8, window=4, sink=2, page_size=4, static=True,
-                        max_batch_size=3, max_cache_len=80)
-    eager = _spec(model, arch, cache, ids, mask, disable_compile=True)
+    options = dict(group_size=8, window=4, sink=2, page_size=4)
+    cache = build_cache(model, "loopkv:kivi4-share", **options, static=True, max_batch_size=3, max_cache_len=80)
+    with pytest.raises(ValueError, match="at batch size 1 only, got batch size 3"):
+        _spec(model, arch, cache, ids, mask)
+    one, one_mask = ids[:1], mask[:1]
+    growable = _spec(model, arch, build_cache(model, "loopkv:kivi4-share", **options), one, one_mask)
     cache.reset()
-    assert torch.equal(_spec(model, arch, cache, ids, mask), eager)
+    eager = _spec(model, arch, cache, one, one_mask, disable_compile=True)
+    cache.reset()
+    assert torch.equal(_spec(model, arch, cache, one, one_mask), eager)
+    assert torch.equal(eager, growable)
     assert not cache._graphs
