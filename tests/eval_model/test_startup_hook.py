@@ -64,7 +64,9 @@ def test_startup_imports_only_the_tiny_hook(env_python):
     finally:
         (site / "hook.off").rename(site / PTH)
     assert set(with_hook) - set(without) == {"_hf_loopcache_lm_eval"}
-    assert with_hook["_hf_loopcache_lm_eval"] < 5000  # microseconds (measured ~400 us on the 2-core CI machine)
+    # microseconds: ~400 us measured on the 2-core CI machine, 7.6 ms once under load; importing torch or lm_eval from
+    # the hook would take hundreds of milliseconds, so the bound catches that without timing the machine
+    assert with_hook["_hf_loopcache_lm_eval"] < 100_000
 
 
 def test_plain_lm_eval_registry_resolves_both_models(env_python):
