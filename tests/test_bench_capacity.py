@@ -64,7 +64,8 @@ def test_a_row_on_a_micro_model_with_out_of_memory_above_a_batch(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (fake)")
         return real(ids, *args, **kwargs)
 
-    monkeypatch.setattr(model, "generate", generate)
+    calls: list[int] = []
+    monkeypatch.setattr(model, "generate", lambda ids, *a, **kw: calls.append(ids.shape[0]) or generate(ids, *a, **kw))
     row = run_cache(
         model, "micro-ouro", "ripe64", 96, budget_bytes=2**30, weights_bytes=0, new_tokens=4, device="cpu",
         resolution=0.0,
@@ -76,6 +77,7 @@ def test_a_row_on_a_micro_model_with_out_of_memory_above_a_batch(monkeypatch):
     assert row["stored_bytes_per_token"] == pytest.approx(row["stored_bytes_per_token_model"], rel=0.25)
     assert row["decode_tokens_per_s_at_largest"] > 0
     assert row["fit_per_row_gib"] is not None
+    assert calls[:2] == [1, 1] and row["warmup_s"] >= 0  # an untimed batch-1 warm-up (compiles), then the probe
     written: list[dict] = []
     late = run_cache(
         model, "micro-ouro", "full", 96, budget_bytes=2**30, weights_bytes=0, new_tokens=4, device="cpu",
