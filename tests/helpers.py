@@ -75,3 +75,56 @@ def teacher_forced_logprob(model, sequence: torch.Tensor, prompt_length: int, ca
         if t + 1 < sequence.shape[1]:
             logits = model(sequence[:, t : t + 1], past_key_values=cache, use_cache=True, **kwargs).logits[:, -1]
     return total
+
+
+# ------------------------------------------------------------------ CUDA graphs stood in for on the CPU
+def device_state(cache) -> list[torch.Tensor]:
+    """Every tensor a captured step of a static `LoopCache` may write: the cache's device-side lengths, key validity
+    and ring starts, and each cell's storage (dense buffers, sink, ring bounds, codes)."""
+    names = ("_length_t", "_valid_t", "_source_length_t", "_own_start_t")
+    tensors = [t for t in (getattr(cache, name, None) for name in names) if t is not None]
+    for layer in cache.cells:
+        for name in ("k", "v", "sink_k", "sink_v", "floor_t", "own_start_t"):
+            if getattr(layer, name, None) is not None:
+                tensors.append(getattr(layer, name))
+        qk, qv = getattr(layer, "qk", None), getattr(layer, "qv", None)
+        if qk is not None and qv is not None:
+            tensors += [qk.codes, qk.scale, qk.zero, qv.hi, qv.scale, qv.zero] + ([] if qv.lo is None else [qv.lo])
+    return tensors
+
+
+class ReplayedStep:
+    """A stand-in for a CUDA graph on the CPU: a replay reruns the recorded step with the host state (every cell's
+    host length) frozen at its recording, as a real graph replays kernels whose host-side arguments were fixed then;
+    only device state (tensors) moves on. A step that read a host length would go wrong here as on the GPU."""
+
+    def __init__(self, fn, out, cache):
+        self.fn, self.out, self.cache = fn, out, cache
+        self.lengths = cache._host_lengths()
+        self.replays = 0
+
+    def replay(self):
+        now = self.cache._host_lengths()
+        self.cache._restore_host_lengths(self.lengths)
+        with torch.no_grad():
+            self.out.copy_(self.fn())
+        self.cache._restore_host_lengths(now)
+        self.replays += 1
+
+
+def stand_in_graphs(monkeypatch) -> None:
+    """`DecodeGraphs` on the CPU: captures allowed, the warm-up run inline, the recording run once and undone (a
+    recording runs nothing on a real device), its replays by `ReplayedStep`."""
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    def record(self, fn, cache):
+        before = [t.clone() for t in device_state(cache)]
+        with torch.no_grad():
+            out = fn()
+        for t, saved in zip(device_state(cache), before):
+            t.copy_(saved)
+        return ReplayedStep(fn, out, cache), out
+
+    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
+    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
+    monkeypatch.setattr(DecodeGraphs, "_record", record)

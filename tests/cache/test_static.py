@@ -14,7 +14,7 @@ import torch
 
 import hf_loopcache
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, build_cache
-from tests.helpers import call_kwargs, make_model
+from tests.helpers import call_kwargs, make_model, stand_in_graphs
 
 ARCHS = ["ouro", "huginn"]
 #: each cache's constructor, growable with no options and static with them; RIPE's window is short enough that the
@@ -256,32 +256,6 @@ def test_static_greedy_equals_dynamic_on_the_fixtures(fixture, name):
         assert torch.equal(model.generate(**enc, cache=cache, **gen), expected)
 
 
-class _ReplayedStep:
-    """A stand-in for a CUDA graph on the CPU: a replay reruns the recorded step with the host state (every cell's
-    host length) frozen at its recording, as a real graph replays kernels whose host-side arguments were fixed then;
-    only device state (tensors) moves on. A step that read a host length would go wrong here as on the GPU."""
-
-    def __init__(self, fn, out, cache):
-        self.fn, self.out, self.cache = fn, out, cache
-        self.lengths = cache._host_lengths()
-        self.replays = 0
-
-    def replay(self):
-        now = self.cache._host_lengths()
-        self.cache._restore_host_lengths(self.lengths)
-        with torch.no_grad():
-            self.out.copy_(self.fn())
-        self.cache._restore_host_lengths(now)
-        self.replays += 1
-
-
-def _device_state(cache):
-    tensors = [t for t in (cache._length_t, cache._valid_t, cache._source_length_t, cache._own_start_t) if t is not None]
-    for layer in cache.cells:
-        tensors += [getattr(layer, name) for name in ("k", "v", "own_start_t") if getattr(layer, name, None) is not None]
-    return tensors
-
-
 @pytest.mark.parametrize("name", ["full", "ripe3"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_graphs_runner_with_a_replay_stand_in(monkeypatch, arch, name):
@@ -290,19 +264,7 @@ def test_decode_graphs_runner_with_a_replay_stand_in(monkeypatch, arch, name):
     decoding; the recording itself leaves the cache as it was."""
     from transformers import CompileConfig
 
-    from hf_loopcache.models._graphs import DecodeGraphs
-
-    def record(self, fn, cache):
-        before = [t.clone() for t in _device_state(cache)]
-        with torch.no_grad():
-            out = fn()
-        for t, saved in zip(_device_state(cache), before):  # recording runs nothing on a real device
-            t.copy_(saved)
-        return _ReplayedStep(fn, out, cache), out
-
-    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
-    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
-    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    stand_in_graphs(monkeypatch)
     model = make_model(arch).float()
     config = CompileConfig()
     config._compile_all_devices = True  # transformers' switch to take the compiled call off CUDA

@@ -18,7 +18,7 @@ import hf_loopcache
 from hf_loopcache import LoopKVCache, RIPECache
 from hf_loopcache.cache.layers import StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import loopkv_preset
-from tests.helpers import call_kwargs, make_model
+from tests.helpers import call_kwargs, make_model, stand_in_graphs
 
 ARCHS = ["ouro", "huginn"]
 PRESETS = ["kivi4", "kivi4-share", "kivi2", "hand"]
@@ -165,36 +165,6 @@ def test_static_decode_step_reads_nothing_on_the_host(arch, name):
     assert stats["history"] > 0
 
 
-def _device_state(cache):
-    tensors = [cache._length_t, cache._valid_t]
-    for layer in cache.cells:
-        for name in ("k", "v", "sink_k", "sink_v", "floor_t", "own_start_t"):
-            if getattr(layer, name, None) is not None:
-                tensors.append(getattr(layer, name))
-        qk, qv = getattr(layer, "qk", None), getattr(layer, "qv", None)
-        if qk is not None and qv is not None:
-            tensors += [qk.codes, qk.scale, qk.zero, qv.hi, qv.scale, qv.zero] + ([] if qv.lo is None else [qv.lo])
-    return tensors
-
-
-class _ReplayedStep:
-    """A CUDA graph stood in for on the CPU: a replay reruns the recorded step with every host length frozen at its
-    recording (as a graph's kernels keep the host arguments they were recorded with); only tensors move on."""
-
-    def __init__(self, fn, out, cache):
-        self.fn, self.out, self.cache = fn, out, cache
-        self.lengths = cache._host_lengths()
-        self.replays = 0
-
-    def replay(self):
-        now = self.cache._host_lengths()
-        self.cache._restore_host_lengths(self.lengths)
-        with torch.no_grad():
-            self.out.copy_(self.fn())
-        self.cache._restore_host_lengths(now)
-        self.replays += 1
-
-
 @pytest.mark.parametrize("name", ["kivi4-share", "hand"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_replayed_static_loopkv_step_equals_growable(monkeypatch, arch, name):
@@ -202,19 +172,7 @@ def test_replayed_static_loopkv_step_equals_growable(monkeypatch, arch, name):
     replay whose host lengths are those of the recording, across page flushes; the tokens are the growable cache's."""
     from transformers import CompileConfig
 
-    from hf_loopcache.models._graphs import DecodeGraphs
-
-    def record(self, fn, cache):
-        before = [t.clone() for t in _device_state(cache)]
-        with torch.no_grad():
-            out = fn()
-        for t, saved in zip(_device_state(cache), before):
-            t.copy_(saved)
-        return _ReplayedStep(fn, out, cache), out
-
-    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
-    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
-    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    stand_in_graphs(monkeypatch)
     model = _model(arch)
     config = CompileConfig()
     config._compile_all_devices = True  # transformers' switch to take the compiled call off CUDA

@@ -16,9 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, self_speculative_generate
-from hf_loopcache.models._graphs import DecodeGraphs
-from tests.cache.test_static import _device_state, _ReplayedStep
-from tests.helpers import call_kwargs, make_model
+from tests.helpers import call_kwargs, make_model, stand_in_graphs
 
 GAMMA = 3
 CACHES = {
@@ -41,22 +39,6 @@ def _spec(model, arch, cache, ids, mask, new=12, block_size=GAMMA, **kw):
     )
 
 
-def _stand_in_graphs(monkeypatch):
-    """`DecodeGraphs` on the CPU: captures allowed, the warm-up run inline, recording replaced by `_ReplayedStep`."""
-
-    def record(self, fn, cache):
-        before = [t.clone() for t in _device_state(cache)]
-        with torch.no_grad():
-            out = fn()
-        for t, saved in zip(_device_state(cache), before):  # recording runs nothing on a real device
-            t.copy_(saved)
-        return _ReplayedStep(fn, out, cache), out
-
-    monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
-    monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
-    monkeypatch.setattr(DecodeGraphs, "_record", record)
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
@@ -64,7 +46,7 @@ def test_captured_drafts_and_verifications_equal_sequential_greedy(monkeypatch, 
     """Left-padded batch of 3 whose rows accept different lengths: drafts and verifications replay their recordings
     (host lengths frozen), and the tokens equal sequential greedy decoding (exact caches) and the eager static run;
     a reset cache replays the same recordings again."""
-    _stand_in_graphs(monkeypatch)
+    stand_in_graphs(monkeypatch)
     model = make_model(arch).float()
     ids, mask = _batch()
     sequential = _spec(model, arch, CACHES[name](model), ids, mask, block_size=0)  # `block_size` 0: plain greedy
@@ -91,7 +73,7 @@ def test_captured_drafts_and_verifications_equal_sequential_greedy(monkeypatch, 
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_static_sequential_decoding_through_the_captured_step(monkeypatch, arch):
     """`block_size=0` (the benchmarks' sequential baseline) over a static cache replays one captured one-token step."""
-    _stand_in_graphs(monkeypatch)
+    stand_in_graphs(monkeypatch)
     model = make_model(arch).float()
     ids, mask = _batch()
     expected = _spec(model, arch, FullLoopCache(model), ids, mask, block_size=0)
@@ -199,7 +181,7 @@ def test_captured_self_speculation_equals_eager_cuda(arch, name):
 def test_a_replayed_draft_advances_only_the_cells_it_writes(monkeypatch, arch):
     """After replayed draft steps the cache reports what an eager draft leaves: planes `< d` hold the draft positions,
     planes `>= d` do not (`loop_lengths`), so `rollback` and the next verification see the state they expect."""
-    _stand_in_graphs(monkeypatch)
+    stand_in_graphs(monkeypatch)
     model = make_model(arch).float()
     ids, mask = _batch()
     d = model.loop_layout.num_loops - 1
@@ -264,7 +246,7 @@ def test_static_coded_cells_run_self_speculation_eagerly(monkeypatch, arch):
     cells do not take, is refused (it gave other tokens than the growable cache, silently)."""
     from hf_loopcache import build_cache
 
-    _stand_in_graphs(monkeypatch)
+    stand_in_graphs(monkeypatch)
     model = make_model(arch).float()
     ids, mask = _batch()
     options = dict(group_size=8, window=4, sink=2, page_size=4)
