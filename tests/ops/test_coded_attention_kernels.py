@@ -251,6 +251,18 @@ def test_row1_settings_match_reference(case, dtype, setting):
     _check(case, dtype, tuning=ROW1_SETTINGS[setting])
 
 
+DENSE_CASES = [c for c in CPU_CASES if not c.fmt]
+DENSE_SETTINGS = {"tile16": {"tile": 16, "programs_per_sm": 2}, "tile64": {"tile": 64, "num_warps": 8, "num_stages": 2}}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in DENSE_CASES])
+@pytest.mark.parametrize("setting", list(DENSE_SETTINGS))
+def test_dense_settings_match_reference(case, setting):
+    """The dense (fp16 / bf16 history) path with other `DENSE_TUNING` tiles: a tile is not a page, so the history's
+    split boundaries, tails and bounds must land anywhere inside one."""
+    _check(case, torch.float32, tuning={"dense": DENSE_SETTINGS[setting]})
+
+
 def test_word_path_falls_back_to_bytes_on_unaligned_codes():
     """Codes whose token stride is not a multiple of 4 bytes cannot be read as 32-bit words: the launcher takes the
     byte path (reading them as words would mix rows)."""

@@ -40,6 +40,11 @@ v4) instead of bytes (v3). v4 default: words, 1 page per step, 2 warps (fewest S
 sm_90: 4.4 against v3's 7.0 with bytes, 2 pages, 2 warps, which `{"words": False, "pages": 2}` restores; H200 sweeps
 and counts: `benchmarks/notes_coded_attention.md`)."""
 
+DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+"""Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
+deepest plane): history positions per loop step (a power of two >= 16), warps per program, software-pipelining depth,
+and the programs per SM the split count aims at. `tuning={"dense": {...}}` overrides them (benchmarks)."""
+
 
 @functools.cache
 def _num_sms(index: int) -> int:
@@ -75,6 +80,7 @@ def _coded_attention_fwd(
     n_rblocks = -(-rows // block_r)
     dev = query.device
     dummy = new_k
+    dense = {**DENSE_TUNING, **(tuning or {}).get("dense", {})}
     static = view.device_lengths  # a static cache's step: lengths on the device, shapes fixed
     s_len = view.sink_length
     sk, sv = (view.sink_key, view.sink_value) if s_len else (dummy, dummy)
@@ -87,7 +93,7 @@ def _coded_attention_fwd(
         hk, hks, hkz = hk_.codes, hk_.scale, hk_.zero
         hv, hvl, hvs, hvz = hv_.hi, hv_.lo, hv_.scale, hv_.zero
     else:
-        page, vgroup = 32, 32
+        page = vgroup = dense["tile"]
         hk, hks, hkz = (hk_, None, None) if hk_ is not None else (dummy, None, None)
         hv, hvl, hvs, hvz = (hv_, None, None, None) if hv_ is not None else (dummy, None, None, None)
     # history positions any query may read: [S, min(S + T_hist, length))
@@ -117,7 +123,7 @@ def _coded_attention_fwd(
         ns = min(num_splits, n_pages)
     else:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
-        per_sm = tune["programs_per_sm"] if row1 else 4
+        per_sm = tune["programs_per_sm"] if row1 else (4 if fmt else dense["programs_per_sm"])
         if use_vprec and base >= sms:
             ns = 1  # one split per row block keeps the running maximum exact without a page-max pass
         else:
@@ -207,7 +213,12 @@ def _coded_attention_fwd(
             DEV_LEN=static,
         )
 
-    launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]} if row1 else {}
+    if row1:
+        launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]}
+    elif not fmt:
+        launch = {"num_warps": dense["num_warps"], "num_stages": dense["num_stages"]}
+    else:
+        launch = {}
     if read_prefix:
         _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True), **launch)
     _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **launch)

@@ -179,7 +179,8 @@ class StaticDenseLayer(_StaticStorage):
     is_compileable = True
     #: how a read over the storage is computed: `"sdpa"` (`scaled_dot_product_attention` with the boolean mask),
     #: `"kernel"` (`triton_ops.coded_attention` over the buffer as a BF16 history up to the device-side length: reads
-    #: only the live positions) or `"matmul"` (`masked_attention`: two matmuls and an fp32 softmax)
+    #: only the live positions) or `"matmul"` (`masked_attention`: two matmuls and an fp32 softmax). With `"sdpa"`,
+    #: a block of several queries on CUDA (a self-speculative verification) takes the kernel
     read_method = "sdpa"
 
     def __init__(self, max_batch_size: int, max_cache_len: int) -> None:
@@ -232,7 +233,13 @@ class StaticDenseLayer(_StaticStorage):
                 raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
             mask = static_mask(positions, read.static_valid[: self.rows])
         groups = query.shape[1] // k.shape[1]
-        if self.read_method == "kernel":  # the stored plane as a BF16 history, read to a device-side length
+        method = self.read_method
+        if method == "sdpa" and query.shape[2] > 1 and query.is_cuda:
+            # a verification block: cuDNN's path for several queries runs one program per (row, head, 64 queries) over
+            # the whole storage (H200, Ouro-1.4B's shape, 8K, 5 queries: 176 us per cell at batch 1 against 20 us for
+            # one query), the kernel splits the history
+            method = "kernel"
+        if method == "kernel":  # the stored plane as a BF16 history, read to a device-side length
             rows, q = query.shape[0], query.shape[2]
             view = CellView(
                 new_key=key,
@@ -244,7 +251,7 @@ class StaticDenseLayer(_StaticStorage):
                 key_valid=read.static_valid[:rows] if read.static_valid is not None else None,
             )
             return coded_attention(query, view, scaling=read.scaling)[0]
-        if self.read_method == "matmul":
+        if method == "matmul":
             return masked_attention(query, [(k, v, group_rows(mask, groups))], scaling=read.scaling)
         if read.static_mask is not None:  # the forward's mask as an additive bias, made once for every dense cell
             key = ("static-dense-bias", query.dtype)

@@ -36,6 +36,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    stacked_linear,
 )
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
 from triton_ops import fused
@@ -72,9 +73,10 @@ class OuroMLP(nn.Module):
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = stacked_linear(self, ("gate_proj", "up_proj"), x)
         if self.config.hidden_act == "silu":  # one kernel on CUDA (`triton_ops.fused`)
-            return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(fused.silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class OuroAttention(nn.Module):
@@ -93,9 +95,10 @@ class OuroAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
-        query = self.q_proj(x).view(b, q_len, -1, self.head_dim)
-        key = self.k_proj(x).view(b, q_len, -1, self.head_dim)
-        value = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        query, key, value = stacked_linear(self, ("q_proj", "k_proj", "v_proj"), x)
+        query = query.view(b, q_len, -1, self.head_dim)
+        key = key.view(b, q_len, -1, self.head_dim)
+        value = value.reshape(b, q_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope[0].to(query.dtype), rope[1].to(query.dtype)
         query = fused.rotate_half(query, cos, sin).transpose(1, 2)
         key = fused.rotate_half(key, cos, sin).transpose(1, 2)
