@@ -397,3 +397,31 @@ def test_kernel_refuses_shapes_it_cannot_take():
     view = _view(data, torch.float32)
     assert "V precision over 20 query rows" in _kernel_supports(data["q"], view, data["tau"])
     assert _kernel_supports(data["q"], view, None) is None
+
+
+@pytest.mark.parametrize("ns", [0, 5, 200])
+def test_merge_of_split_partials(ns):
+    """The merge of `NS + 1` split partials (more than one `BLOCK_S` load when NS + 1 > 128) against logsumexp in
+    torch, GQA rows and channels split over programs."""
+    import triton
+
+    from triton_ops.coded_attention.kernels import _coded_attention_merge_kernel
+
+    b, hkv, g, q, d = 2, 2, 2, 3, 64
+    rows = b * hkv * g * q
+    gen = torch.Generator().manual_seed(ns)
+    o_part = torch.randn(ns + 1, b * hkv, g * q, d, generator=gen).to(DEVICE)
+    lse_part = (torch.randn(ns + 1, b * hkv, g * q, generator=gen) * 3).to(DEVICE)
+    if ns:
+        lse_part[0, 0, 0] = float("-inf")  # an empty split (a row always has its new token somewhere)
+    out = torch.empty(b, hkv * g, q, d, device=DEVICE)
+    lse = torch.empty(b, hkv * g, q, device=DEVICE)
+    _coded_attention_merge_kernel[(rows, d // 32)](
+        o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        H_KV=hkv, G=g, Q=q, NS=ns, n_bh_rows=rows, D=d, BLOCK_S=min(128, triton.next_power_of_2(ns + 1)), BLOCK_D=32,
+    )  # fmt: skip
+    w = torch.softmax(lse_part * math.log(2), dim=0)  # partials' lse in log2 units, the output's in natural units
+    want = (w[..., None] * o_part).sum(0).view(b, hkv, g, q, d).reshape(b, hkv * g, q, d)
+    want_lse = torch.logsumexp(lse_part * math.log(2), dim=0).view(b, hkv * g, q)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

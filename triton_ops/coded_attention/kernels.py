@@ -904,14 +904,17 @@ def _coded_attention_merge_kernel(
     n_bh_rows,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    # one program per (b, h_kv, row): out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s (NS + 1 parts)
+    # one program per (b, h_kv, row) and BLOCK_D channels: out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s
+    # (NS + 1 parts; with BLOCK_S >= NS + 1 each loop is one load, so the merge waits on two loads, not 2 (NS + 1) / 16)
     i_row = tl.program_id(0).to(tl.int64)
+    i_dc = tl.program_id(1)
     R = G * Q
     i_bh, o_r = i_row // R, i_row % R
     i_b, i_hk = i_bh // H_KV, i_bh % H_KV
     i_hq, i_q = i_hk * G + o_r // Q, o_r % Q
-    o_d = tl.arange(0, D)
+    o_d = i_dc * BLOCK_D + tl.arange(0, BLOCK_D)
     b_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
     for s0 in range(0, NS + 1, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
@@ -919,7 +922,7 @@ def _coded_attention_merge_kernel(
         b_max = tl.maximum(b_max, b_lse)
     b_mx = tl.max(b_max, axis=0)
     b_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
-    b_acc = tl.zeros([D], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, NS + 1, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < NS + 1
@@ -930,4 +933,5 @@ def _coded_attention_merge_kernel(
     b_total = tl.sum(b_sum, axis=0)
     p_out = out_ptr + i_b * stride_ob + i_hq * stride_oh + i_q * stride_oq + o_d
     tl.store(p_out, (b_acc / b_total).to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + i_b * stride_lb + i_hq * stride_lh + i_q, (b_mx + tl.log2(b_total)) * _LN2)
+    if i_dc == 0:
+        tl.store(lse_ptr + i_b * stride_lb + i_hq * stride_lh + i_q, (b_mx + tl.log2(b_total)) * _LN2)

@@ -224,7 +224,8 @@ def _coded_attention_fwd(
     _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **launch)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
-    _coded_attention_merge_kernel[(b * hkv * rows,)](
+    block_d = min(d, 32)
+    _coded_attention_merge_kernel[(b * hkv * rows, d // block_d)](
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         out_ptr=out,
@@ -240,7 +241,8 @@ def _coded_attention_fwd(
         NS=ns,
         n_bh_rows=b * hkv * rows,
         D=d,
-        BLOCK_S=16,
+        BLOCK_S=min(128, next_pow2(ns + 1)),
+        BLOCK_D=block_d,
     )
     if count:
         v_precision_stats += stats_part.sum(0).to(v_precision_stats.dtype)
