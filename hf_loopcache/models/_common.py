@@ -30,6 +30,7 @@ __all__ = [
     "check_num_loops",
     "default_cache",
     "stacked_linear",
+    "stacked_projection",
 ]
 
 
@@ -98,6 +99,23 @@ def _stackable(owner: nn.Module, linears: list[nn.Linear], x: torch.Tensor) -> b
     return len({lin.weight.dtype for lin in linears}) == 1
 
 
+def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """`torch.cat([owner.<name>(x) for name in names], -1)` as one GEMM over the weights stacked in one buffer, or None
+    when the input is not short or the projections cannot be stacked (see `stacked_linear`)."""
+    linears = [getattr(owner, name) for name in names]
+    if not _stackable(owner, linears, x):
+        return None
+    cached = owner.__dict__.get("_stacked_weights", {}).get(names)
+    if cached is None or cached[1] != [lin.weight.data_ptr() for lin in linears]:
+        with torch.no_grad():
+            buffer = torch.cat([lin.weight.detach() for lin in linears])
+            for lin, part in zip(linears, buffer.split([lin.out_features for lin in linears])):
+                lin.weight.data = part
+        cached = (buffer, [lin.weight.data_ptr() for lin in linears])
+        owner.__dict__.setdefault("_stacked_weights", {})[names] = cached
+    return torch.nn.functional.linear(x, cached[0])
+
+
 def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`owner.<name>(x)` for each name, as one GEMM over the weights stacked in one buffer when the input is short (a
     decode step reads every weight once either way; three small GEMMs cost three launches and reach a fraction of the
@@ -107,20 +125,10 @@ def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) ->
     seen by its address and the buffer is rebuilt. Falls back to the projections one by one for long inputs,
     gradients, hooks (accelerate's device maps and offload), `torch.compile` tracing, or anything but plain bias-free
     `nn.Linear`s."""
-    linears = [getattr(owner, name) for name in names]
-    if not _stackable(owner, linears, x):
-        return tuple(lin(x) for lin in linears)
-    sizes = [lin.out_features for lin in linears]
-    cached = owner.__dict__.get("_stacked_weights", {}).get(names)
-    ptrs = [lin.weight.data_ptr() for lin in linears]
-    if cached is None or cached[1] != ptrs:
-        with torch.no_grad():
-            buffer = torch.cat([lin.weight.detach() for lin in linears])
-            for lin, part in zip(linears, buffer.split(sizes)):
-                lin.weight.data = part
-        cached = (buffer, [lin.weight.data_ptr() for lin in linears])
-        owner.__dict__.setdefault("_stacked_weights", {})[names] = cached
-    return torch.nn.functional.linear(x, cached[0]).split(sizes, dim=-1)
+    y = stacked_projection(owner, names, x)
+    if y is None:
+        return tuple(getattr(owner, name)(x) for name in names)
+    return y.split([getattr(owner, name).out_features for name in names], dim=-1)
 
 
 def check_num_loops(value: Any, name: str) -> int:

@@ -37,6 +37,7 @@ from hf_loopcache.models._common import (
     check_num_loops,
     default_cache,
     stacked_linear,
+    stacked_projection,
 )
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
 from triton_ops import fused
@@ -95,13 +96,20 @@ class OuroAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         b, q_len, _ = x.shape
-        query, key, value = stacked_linear(self, ("q_proj", "k_proj", "v_proj"), x)
-        query = query.view(b, q_len, -1, self.head_dim)
-        key = key.view(b, q_len, -1, self.head_dim)
-        value = value.reshape(b, q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope[0].to(query.dtype), rope[1].to(query.dtype)
-        query = fused.rotate_half(query, cos, sin).transpose(1, 2)
-        key = fused.rotate_half(key, cos, sin).transpose(1, 2)
+        d, hq, hk = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = stacked_projection(self, ("q_proj", "k_proj", "v_proj"), x)
+        if qkv is not None:  # a short input: one GEMM, and queries and keys rotated by one launch
+            cos, sin = rope[0].to(qkv.dtype), rope[1].to(qkv.dtype)
+            qk = fused.rotate_half(qkv[..., : (hq + hk) * d].view(b, q_len, hq + hk, d), cos, sin)
+            query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
+            value = qkv[..., (hq + hk) * d :].view(b, q_len, hk, d).transpose(1, 2)
+        else:
+            query = self.q_proj(x).view(b, q_len, -1, d)
+            key = self.k_proj(x).view(b, q_len, -1, d)
+            value = self.v_proj(x).view(b, q_len, -1, d).transpose(1, 2)
+            cos, sin = rope[0].to(query.dtype), rope[1].to(query.dtype)
+            query = fused.rotate_half(query, cos, sin).transpose(1, 2)
+            key = fused.rotate_half(key, cos, sin).transpose(1, 2)
         out = state.attend(slot, query, key, value)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
