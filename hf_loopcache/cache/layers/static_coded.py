@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_loopcache.attention import dense_attention
-from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage
+from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, effective_storage, ring_capacity
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
 from triton_ops.coded_attention import CellView, coded_attention
@@ -46,11 +46,33 @@ _CODE_CHUNK_PAGES = 32
 """Pages coded per call on the host path (a prefill): bounds the fp32 transient."""
 
 
+def flush_pages(page_size: int, rollback: int) -> int:
+    """Pages a static coded cell codes per forward: `K = 1` without a rollback reserve (decoding: the boundary moves
+    by at most one page a step), else `ceil((R + P)(R + 1) / P) + 2`. With holes, a row's boundary `H` moves in its
+    effective positions: by up to `R + P` of them in one forward (a verification of `R + 1` tokens), each of which
+    spans up to `R + 1` storage positions (a real token and the holes a rejected draft leaves after it), so the
+    largest boundary over the rows moves by at most `K - 1` storage pages (one more for the page it ends in)."""
+    if rollback == 0:
+        return 1
+    return -(-(rollback + page_size) * (rollback + 1) // page_size) + 2
+
+
 def coded_ring_capacity(window: int, page_size: int, rollback: int) -> int:
-    """Ring slots of a static windowed cell: `W + 2P - 1 + R`. A read at `t` needs `[H(t), t)` (up to `W + P - 1`
-    positions) and the flush of the step the page below `H(t)` (`P` more); a crop of up to `R` positions must find
-    both still held."""
-    return window + 2 * page_size - 1 + rollback
+    """Ring slots of a static coded cell. Without a rollback reserve `W + 2P - 1`: a read at `t` needs `[H(t), t)`
+    (up to `W + P - 1` positions) and the flush of the step the page below `H(t)` (`P` more). With a reserve `R`
+    (self-speculation), rows may hold holes: a row's `W + P - 1` real positions before `t` span up to
+    `(W + P - 1)(R + 1) + R` storage positions, the `K = flush_pages(P, R)` pages coded per forward end within a page
+    of the largest boundary, and a crop of up to `R` positions must find all of it still held:
+    `(W + P - 1)(R + 1) + 2R + (K + 1)P - 1`."""
+    if rollback == 0:
+        return window + 2 * page_size - 1
+    k = flush_pages(page_size, rollback)
+    return (window + page_size - 1) * (rollback + 1) + 2 * rollback + (k + 1) * page_size - 1
+
+
+def page_floor_t(t: torch.Tensor, sink: int, page_size: int) -> torch.Tensor:
+    """`page_floor` of device positions: the page boundary at or below `t` (positions up to the sink are their own)."""
+    return torch.where(t > sink, sink + page_size * ((t - sink).clamp(min=0) // page_size), t)
 
 
 class _StaticWindowed(_StaticStorage):
@@ -63,7 +85,7 @@ class _StaticWindowed(_StaticStorage):
     ) -> None:
         super().__init__()
         self.sink, self.window, self.page, self.rollback = sink, window, page_size, rollback
-        self.capacity = coded_ring_capacity(window, page_size, rollback)
+        self.capacity = self._capacity(rollback)
         self.max_rows, self.max_positions = max_batch_size, max_cache_len
         self.k: torch.Tensor | None = None  # the ring
         self.v: torch.Tensor | None = None
@@ -125,14 +147,14 @@ class _StaticWindowed(_StaticStorage):
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
         ring_k, ring_v = self._views()
-        if self.sink and q == 1:  # the decode step: a short prompt's sink fills here, else the scratch slot takes it
+        if self.sink and self.length == 0:  # the prefill (eager): host slices
+            n = min(self.sink, q)
+            self.sink_k[:rows, :, :n] = key[:, :, :n]  # type: ignore[index]
+            self.sink_v[:rows, :, :n] = value[:, :, :n]  # type: ignore[index]
+        elif self.sink:  # a step or block after it: a short prompt's sink fills here, the scratch slot takes the rest
             slot = positions.clamp(max=self.sink)
             self.sink_k[:rows].index_copy_(2, slot, key.to(self.sink_k.dtype))  # type: ignore[index]
             self.sink_v[:rows].index_copy_(2, slot, value.to(self.sink_v.dtype))  # type: ignore[index]
-        elif self.sink and self.length < self.sink:  # a block (eager): host slices
-            n = min(self.sink, self.length + q) - self.length
-            self.sink_k[:rows, :, self.length : self.length + n] = key[:, :, :n]  # type: ignore[index]
-            self.sink_v[:rows, :, self.length : self.length + n] = value[:, :, :n]  # type: ignore[index]
         if q > self.capacity:  # only the last `capacity` positions stay in the ring
             key, value, positions = key[:, :, -self.capacity :], value[:, :, -self.capacity :], positions[-self.capacity :]
         slots = positions % self.capacity
@@ -165,32 +187,42 @@ class _StaticWindowed(_StaticStorage):
         """Codes or a BF16 plane of every history page `[S, ...)` (fixed shapes)."""
         raise NotImplementedError
 
-    def _geometry(self, read: ReadState, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Device values every windowed cell of the forward with this sink, window, page and ring shares, computed
-        once per forward: `H` of the queries, and the page a decode step flushes (its start, ring slots, page index,
-        whether one is due, the key validity of its positions)."""
-        key = ("static-windowed", self.sink, self.window, self.page, self.capacity, positions.data_ptr())
-        geo = read.memo.get(key)
-        if geo is None:
-            t = positions[:1]
-            h = self.boundary(t)
-            start = (h - self.page).clamp(min=self.sink)
-            pos = start + torch.arange(self.page, device=t.device)
-            valid = read.static_valid
-            geo = read.memo[key] = dict(
-                bounds=self.boundary(positions),
-                start=start,
-                slots=pos % self.capacity,
-                page=(start - self.sink) // self.page,
-                due=(h > self.sink) & (h - self.page >= self.sink),
-                valid=valid if valid is None else valid.index_select(1, pos.clamp(max=valid.shape[1] - 1)),
-            )
-        return geo
+    def _capacity(self, rollback: int) -> int:
+        """Ring slots for a rollback reserve of `rollback` positions."""
+        raise NotImplementedError
 
-    def _view(self, key, value, read, positions, limit: int | None) -> CellView:
-        hist_end = torch.maximum(self._geometry(read, positions)["bounds"], self.floor_t)  # type: ignore[arg-type]
-        if limit is not None:  # eager (a block or a draft): what the history can serve now
-            hist_end = hist_end.clamp(max=max(limit, self.floor))
+    def _row_ends(self, read: ReadState, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, q]`: per row, the stored positions below `length` that the queries at `positions` read from the
+        history, before any clamp: those whose effective position (the row's holes left out, `effective_storage`) is
+        below `H` of the query's effective position, as the growable `WindowedLayer` counts them. Without holes this
+        is `H(t)`. The same for every windowed cell of the forward with this sink, window and page (`read.memo`)."""
+        key = ("static-row-ends", self.sink, self.window, self.page, self.rows, positions.data_ptr())
+        ends = read.memo.get(key)
+        if ends is None:
+            if read.static_valid is None:
+                raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
+            eff_key = ("static-effective", self.rows, read.static_valid.data_ptr())
+            eff = read.memo.get(eff_key)
+            if eff is None:
+                eff = read.memo[eff_key] = effective_storage(read.static_valid[: self.rows])  # [B, L], non-decreasing
+            h = self.boundary(eff.index_select(1, positions))  # [B, q], in effective positions
+            ends = read.memo[key] = torch.minimum(torch.searchsorted(eff, h), positions[:1])
+        return ends
+
+    def _ring_low(self, held: torch.Tensor) -> torch.Tensor:
+        """The oldest position the ring surely holds while the cell holds `held` positions (`[1]`, device): the ring
+        keeps the last `C` positions written, and up to `R` of those may have been cut by a crop since."""
+        return (held - (self.capacity - self.rollback)).clamp(min=0)
+
+    def _history_end(
+        self, read: ReadState, positions: torch.Tensor, limit: torch.Tensor, held: torch.Tensor
+    ) -> torch.Tensor:
+        """`history_end` `[B, q]` of the queries at `positions` (before this cell's `floor`): `_row_ends` clamped, as
+        `WindowedLayer.history_ends` clamps them, to what the history can serve (`limit`, a device value) and never
+        below what the ring no longer holds (`_ring_low` of the `held` positions)."""
+        return torch.maximum(torch.minimum(self._row_ends(read, positions), limit), self._ring_low(held))
+
+    def _view(self, key, value, read, positions, history_end: torch.Tensor) -> CellView:
         hk, hv = self._history()
         rows = self.rows
         sk = self.sink_k[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
@@ -201,7 +233,7 @@ class _StaticWindowed(_StaticStorage):
             new_key=key,
             new_value=value,
             length=positions[:1],
-            history_end=hist_end[None].expand(rows, -1),
+            history_end=history_end,
             sink_key=sk,
             sink_value=sv,
             history_start=self.sink,
@@ -212,11 +244,11 @@ class _StaticWindowed(_StaticStorage):
             key_valid=None if valid is None else valid[:rows],
         )
 
-    def _read(self, query, key, value, read, positions, limit):
+    def _read(self, query, key, value, read, positions, history_end):
         stats = read.v_precision_stats
         out, _ = coded_attention(
             query,
-            self._view(key, value, read, positions, limit),
+            self._view(key, value, read, positions, history_end),
             scaling=read.scaling,
             v_precision_tau=read.v_precision_tau,
             v_precision_stats=None if stats is None or read.v_precision_tau is None else stats.tensor(query.device),
@@ -344,7 +376,7 @@ class _StaticWindowed(_StaticStorage):
 
     def resize(self, rollback: int) -> None:
         """A ring for another rollback reserve, keeping the positions it holds that fit."""
-        capacity = coded_ring_capacity(self.window, self.page, rollback)
+        capacity = self._capacity(rollback)
         self.rollback = rollback
         if capacity == self.capacity:
             return
@@ -401,6 +433,9 @@ class StaticCodedLayer(_StaticWindowed):
     @property
     def option(self) -> str:
         return f"int{self.nbits}"
+
+    def _capacity(self, rollback: int) -> int:
+        return coded_ring_capacity(self.window, self.page, rollback)
 
     def _storage_allocated(self, device: torch.device) -> None:
         super()._storage_allocated(device)
@@ -476,7 +511,7 @@ class StaticCodedLayer(_StaticWindowed):
             for dst, src in pairs:
                 dst[:, :, t0:t1] = src
             return
-        tokens = page * p + torch.arange(p, device=page.device)
+        tokens = (page[:, None] * p + torch.arange(p, device=page.device)).flatten()  # [K * P] of K pages
         own_k.codes.index_copy_(2, tokens, qk.codes)
         own_k.scale.index_copy_(2, page, qk.scale)
         own_k.zero.index_copy_(2, page, qk.zero)
@@ -526,26 +561,54 @@ class StaticCodedLayer(_StaticWindowed):
             qk, qv = self._quantize(k, v, mask)
             self._put((a - self.sink) // self.page, qk, qv)
 
-    def prepare(self, read: ReadState, positions: torch.Tensor, q: int, end: int | None = None, new=None) -> None:
-        """Make the codes readable for this forward (once per forward: shared cells call it on their source before
-        their read). Decode step (`end` None, one token, every loop run): `flush` on the device. Otherwise (host):
-        code the pages from the one below `H(length)` up to `end`."""
+    def _held(self, read: ReadState, positions: torch.Tensor) -> torch.Tensor:
+        """Positions this cell holds before the forward's write, on the device (`[1]`): the forward's first position
+        when the forward writes the cell, the cache's final-loop length in a draft that does not (the cell is then a
+        source whose readers run)."""
+        if read.complete or read.length is None or self.length == read.length:
+            return positions[:1]
+        if read.source_length is None:
+            return torch.full((1,), self.length, dtype=torch.long, device=positions.device)
+        return read.source_length
+
+    def _geometry(self, read: ReadState, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Device values of one forward for this cell's reads and its flush, shared by every coded cell with the same
+        sink, window, page, ring and holding (`read.memo`): `hist` (`_history_end` `[B, q]` with the limit
+        `page_floor(held)`), and the `K = flush_pages(P, R)` pages that end at the page boundary at or above the
+        largest `hist` (`target`): their starts, ring slots, page indices, whether each is due (a page of the history
+        the ring still holds) and the key validity of their positions."""
+        held = self._held(read, positions)
+        key = ("static-coded-geometry", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
+               positions.data_ptr(), held.data_ptr())  # fmt: skip
+        geo = read.memo.get(key)
+        if geo is None:
+            limit = page_floor_t(held, self.sink, self.page)
+            hist = self._history_end(read, positions, limit, held)  # [B, q]
+            top = hist.amax() - self.sink
+            target = self.sink + self.page * torch.div(top + self.page - 1, self.page, rounding_mode="floor").clamp(min=0)
+            k = flush_pages(self.page, self.rollback)
+            start = target - self.page * torch.arange(k, 0, -1, device=positions.device)  # [K], ascending
+            pos = (start[:, None] + torch.arange(self.page, device=positions.device)).flatten()  # [K * P]
+            valid = read.static_valid
+            geo = read.memo[key] = dict(
+                hist=hist,
+                start=start,
+                slots=pos % self.capacity,
+                page=((start - self.sink) // self.page).clamp(min=0),
+                due=(start >= self.sink) & (start >= self._ring_low(held)),
+                valid=valid if valid is None else valid.index_select(1, pos.clamp(min=0, max=valid.shape[1] - 1)),
+            )
+        return geo
+
+    def prepare(self, read: ReadState, positions: torch.Tensor) -> None:
+        """Make the codes readable for this forward, on the device (once per forward: shared cells call it on their
+        source before their read): `flush` the `K` pages below the largest history end of the forward's queries.
+        Every page below those was coded by an earlier forward (the boundary moves by at most `K - 1` pages a
+        forward, `flush_pages`), and coding a page again gives the same codes."""
         key = ("static-coded-flush", id(self))
-        done = read.memo.get(key)
-        if end is None and q == 1 and read.complete:
-            if done is None:
-                self.flush(read, positions)
-                read.memo[key] = -1
-            return
-        if end is None:
-            end = window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
-        first = max(self.sink, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page)
-                    - self.page, self.floor)  # fmt: skip
-        if done is not None and done != -1:
-            first = max(first, done)
-        if end > first:
-            self.code_range(first, end, read.static_valid, new)
-            read.memo[key] = end
+        if key not in read.memo:
+            self.flush(read, positions)
+            read.memo[key] = True
 
     # ---------------------------------------------------------------- read and write
     def attend(self, query, key, value, read):
@@ -562,13 +625,11 @@ class StaticCodedLayer(_StaticWindowed):
                 self.code_range(self.sink, h, read.static_valid if read.key_valid is not None else None, (key, value))
                 self.length = n
             return out
-        self.prepare(read, positions, q, new=(key, value))
-        out = self._read(query, key, value, read, positions, None if q == 1 and read.complete else self._limit(q))
+        self.prepare(read, positions)
+        hist = torch.maximum(self._geometry(read, positions)["hist"], self.floor_t)  # type: ignore[arg-type]
+        out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
-
-    def _limit(self, q: int) -> int:
-        return window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
 
     def _code_for(self, end: int) -> int:
         first = max(self.sink, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page)
@@ -649,6 +710,9 @@ class StaticCodedSharedLayer(_StaticWindowed):
             return self.source.readable_limit()
         return self.source.length
 
+    def _capacity(self, rollback: int) -> int:
+        return ring_capacity(self.window, self.page, rollback)
+
     def attend(self, query, key, value, read):
         if not self.is_initialized or self.length == 0:
             self.lazy_initialization(key, value)
@@ -656,20 +720,22 @@ class StaticCodedSharedLayer(_StaticWindowed):
         positions = self._positions(q, read)
         if self.length == 0:
             return self._prefill(query, key, value, read, positions)
-        limit = None
-        if q == 1 and read.complete:  # the decode step: the source codes the page ending at H(t) on the device
-            if isinstance(self.source, StaticCodedLayer):
-                self.source.prepare(read, positions, q)
+        # what the source holds, on the device: all `length` positions in a complete forward (it is written later in
+        # it), its own in a draft (the cache's final-loop length, so a captured draft reads no host length)
+        if read.complete:
+            held = positions[:1]
+        elif read.source_length is not None:
+            held = read.source_length
         else:
-            limit = min(self._limit(q), self._source_limit())
-            if isinstance(self.source, StaticCodedLayer):
-                self.source.prepare(read, positions, q, end=limit)
-        out = self._read(query, key, value, read, positions, limit)
+            held = torch.full((1,), self.source.length, dtype=torch.long, device=positions.device)
+        if isinstance(self.source, StaticCodedLayer):
+            self.source.prepare(read, positions)  # the source codes the pages its readers need
+            held = page_floor_t(held, self.sink, self.page)
+        limit = torch.minimum(held, positions[:1])
+        hist = self._history_end(read, positions, limit, positions[:1])
+        out = self._read(query, key, value, read, positions, torch.maximum(hist, self.floor_t))  # type: ignore[arg-type]
         self._store(key, value, positions)
         return out
-
-    def _limit(self, q: int) -> int:
-        return window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
 
     def _code_for(self, end: int) -> int:
         end = min(end, self._source_limit())
