@@ -146,6 +146,11 @@ def test_draft_and_verification_steps_read_no_device_value_on_the_host(monkeypat
     with _NoHostSync():
         model(input_ids=ids[:, :GAMMA + 1], attention_mask=new_columns, cache=cache, use_cache=True,
               logits_to_keep=GAMMA + 1, **kwargs)
+    monkeypatch.undo()
+    cache.rollback(n + 2)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    with _NoHostSync():  # a verification block without a mask (a captured block's first call), after the holes
+        model(input_ids=ids[:, :GAMMA + 1], cache=cache, use_cache=True, logits_to_keep=GAMMA + 1, **kwargs)
 
 
 def test_the_no_host_sync_check_catches_a_host_read():

@@ -584,8 +584,8 @@ class StaticCodedLayer(_StaticWindowed):
         if geo is None:
             limit = page_floor_t(held, self.sink, self.page)
             hist = self._history_end(read, positions, limit, held)  # [B, q]
-            top = hist.amax() - self.sink
-            target = self.sink + self.page * torch.div(top + self.page - 1, self.page, rounding_mode="floor").clamp(min=0)
+            pages = torch.div(hist.amax() - self.sink + self.page - 1, self.page, rounding_mode="floor")
+            target = self.sink + self.page * pages.clamp(min=0)  # the page boundary at or above the largest end
             k = flush_pages(self.page, self.rollback)
             start = target - self.page * torch.arange(k, 0, -1, device=positions.device)  # [K], ascending
             pos = (start[:, None] + torch.arange(self.page, device=positions.device)).flatten()  # [K * P]
@@ -720,22 +720,34 @@ class StaticCodedSharedLayer(_StaticWindowed):
         positions = self._positions(q, read)
         if self.length == 0:
             return self._prefill(query, key, value, read, positions)
-        # what the source holds, on the device: all `length` positions in a complete forward (it is written later in
-        # it), its own in a draft (the cache's final-loop length, so a captured draft reads no host length)
-        if read.complete:
-            held = positions[:1]
-        elif read.source_length is not None:
-            held = read.source_length
-        else:
-            held = torch.full((1,), self.source.length, dtype=torch.long, device=positions.device)
-        if isinstance(self.source, StaticCodedLayer):
+        coded = isinstance(self.source, StaticCodedLayer)
+        if coded:
             self.source.prepare(read, positions)  # the source codes the pages its readers need
-            held = page_floor_t(held, self.sink, self.page)
-        limit = torch.minimum(held, positions[:1])
-        hist = self._history_end(read, positions, limit, positions[:1])
-        out = self._read(query, key, value, read, positions, torch.maximum(hist, self.floor_t))  # type: ignore[arg-type]
+        hist = torch.maximum(self._hist(read, positions, coded), self.floor_t)  # type: ignore[arg-type]
+        out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
+
+    def _hist(self, read: ReadState, positions: torch.Tensor, coded: bool) -> torch.Tensor:
+        """`_history_end` of the forward's queries (before `floor`), the same for every shared cell of the forward with
+        this sink, window, page, ring and kind of source (`read.memo`). The history can serve what the source holds,
+        on the device: all `length` positions in a complete forward (it is written later in it), its own in a draft
+        (the cache's final-loop length, so a captured draft reads no host length); page aligned for codes."""
+        key = ("static-shared-hist", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
+               positions.data_ptr(), read.complete, coded)  # fmt: skip
+        hist = read.memo.get(key)
+        if hist is None:
+            if read.complete:
+                held = positions[:1]
+            elif read.source_length is not None:
+                held = read.source_length
+            else:
+                held = torch.full((1,), self.source.length, dtype=torch.long, device=positions.device)
+            if coded:
+                held = page_floor_t(held, self.sink, self.page)
+            limit = torch.minimum(held, positions[:1])
+            hist = read.memo[key] = self._history_end(read, positions, limit, positions[:1])
+        return hist
 
     def _code_for(self, end: int) -> int:
         end = min(end, self._source_limit())
