@@ -19,7 +19,9 @@ therefore read with the same plane and the same rotary phase as in sequential de
 block pass equals token-by-token decoding (RIPE Proposition 1 needs `W >= gamma`: the block's own earlier tokens lie in
 every block query's window). The deepest-plane cache (`W = 0`) breaks the premise (verification then reads plane `r`
 of earlier block tokens, which sequential decoding reads at plane `R`): allowed, approximate (RIPE Sec. 4, 5.2).
-LoopKV caches run (their pages are coded by storage position, so a page may hold holes) and are approximate too.
+LoopKV caches run (their pages are coded by storage position, so a page may hold holes, left out of its key scales) and
+are approximate too. A static cache gives the tokens of the growable cache with the same plan, batched and captured
+(every static cell, LoopKV's coded and shared cells included, counts boundaries in effective positions on the device).
 """
 
 from __future__ import annotations

@@ -1,26 +1,31 @@
-"""Static cells of LoopKV plans: `StaticCodedLayer` (options `int4`, `int2`) and `StaticCodedSharedLayer` (option
-`share` with a sink, or over a coded source), so that a decode step over a LoopKV plan has the same shapes and
-addresses every step and can be captured in a CUDA graph.
+"""Static windowed cells: `StaticCodedLayer` (options `int4`, `int2`) and `StaticCodedSharedLayer` (option `share`:
+RIPE, the deepest plane and LoopKV sharing, over a coded or a BF16 source), so that every forward after the prefill
+over any plan has the same shapes and addresses every time and can be captured in a CUDA graph.
 
 Storage, allocated once for `max_batch_size` rows and `max_cache_len` positions: the BF16 sink `[B, H, S, D]`, a ring
-of `C = W + 2P - 1 + rollback` recent positions at full precision (position `p` in slot `p % C`), and, for a coded
-cell, the codes of every page of `[S, max_cache_len)`. The reading rule is `WindowedLayer`'s: the query at `t` reads
-`[0, S)` from the sink, `[S, H(t))` from the history (its own codes, or its source's codes or BF16 storage) and
-`[H(t), t]` from the ring, `H(t) = S + P * floor(max(0, t - S - W) / P)`, all computed on the device from the forward's
-positions; `triton_ops.coded_attention` reads the cell with device-side lengths (`CellView`).
+of `C` recent positions at full precision (position `p` in slot `p % C`; `coded_ring_capacity`, `ring_capacity`), and,
+for a coded cell, the codes of every page of `[S, max_cache_len)`. The reading rule is `WindowedLayer`'s: the query at
+`t` reads `[0, S)` from the sink, `[S, history_end)` from the history (its own codes, or its source's codes or BF16
+storage) and `[history_end, t]` from the ring, where `history_end` counts, per row, the stored positions whose
+*effective* position (the row's holes left out, `effective_storage`) lies below `H` of the query's effective position,
+`H(e) = S + P * floor(max(0, e - S - W) / P)` (RIPE Eq. 9 for `P = 1`), clipped to what the history can serve: exactly
+the growable cells' boundaries, computed on the device once per forward from its positions and key validity.
+`triton_ops.coded_attention` reads the cell with device-side lengths (`CellView`).
 
-**Page flush inside the step.** A decode step at position `t` first codes the page that ends at `H(t)` (the page the
-query needs last) from the ring, every step: `H` moves by at most one page a step, so every page below `H(t)` was
-coded by an earlier step, and coding a page again from the same positions gives the same codes. The page index is a
-device value, the write an `index_copy_`, and the write is selected away (`torch.where`) while there is no page to
-code yet or the ring no longer holds the page (after a crop deeper than the rollback reserve). So the step has no host
-branch and allocates nothing that depends on the length. The codes equal the growable `CodedLayer`'s: it codes the
-same page, from the same keys and values, right after the write that moves `H`. A shared cell asks its source for that
-page before it reads (once per forward: the source's own attend comes later in the forward).
+**Page flush inside the forward.** Every forward after the prefill (a decode step, a draft, a verification block)
+first codes, from the ring, the `K = flush_pages(P, R)` pages that end at the page boundary at or above its largest
+history end. A forward moves that boundary by at most `K - 1` pages (one page a step without a rollback reserve; with
+holes a row's effective positions span more storage), so every page below was coded by an earlier forward, and coding
+a page again from the same positions and validity gives the same codes. Page indices are device values, the writes
+`index_copy_`, and a page not due (below the sink, or no longer held by the ring, e.g. after a crop deeper than the
+rollback reserve) goes to a scratch page past the last one: no host branch, nothing allocated that depends on the
+length. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
+row) is left out of its page's key scales, as the growable `CodedLayer` codes it; with `W >= gamma` no page is coded
+before its positions' holes are known. A shared cell asks its source for those pages before it reads (once per
+forward: the source's own attend comes later in a complete forward, and never in a draft).
 
-Blocks of several tokens (prefill, verification) and drafts run eagerly with host-side lengths and code what they
-need on the host. Rows with holes (padding after a row's first real token, which batched self-speculative
-verification leaves) are not supported by these cells: their boundaries follow storage positions.
+The prefill and deep crops run on the host (`code_range`, host lengths); nothing after the prefill reads a host length
+or a device value on the host.
 """
 
 from __future__ import annotations
@@ -661,13 +666,15 @@ class StaticCodedLayer(_StaticWindowed):
 
 
 class StaticCodedSharedLayer(_StaticWindowed):
-    """A shared cell (option `share`) of a static cache with a sink or over a coded source: its own sink and ring,
+    """A shared cell (option `share`) of a static cache: its own sink (if the plan has one) and ring,
     its history read from the source's storage in place (a `StaticCodedLayer`'s codes, or a `StaticDenseLayer`'s
     BF16 buffer), through `coded_attention` with device-side lengths. It stores no history of its own. Before its
     read it has the source code the page it needs (`StaticCodedLayer.prepare`, once per forward).
 
     In a draft (`ReadState.draft_loops`) the source is not written; the cell reads the history up to what the source
-    holds and the rest from its ring (drafts run eagerly).
+    holds (the cache's device-side final-loop length, `ReadState.source_length`) and the rest from its ring. A RIPE
+    shared cell reads its BF16 source in place this way (no copy of the source per step); a row position its ring no
+    longer holds (holes spanning more than the ring, a crop deeper than the reserve) is read from the source.
 
     Args:
         source (`StaticCodedLayer` or `StaticDenseLayer`): the final loop's cell of the same layer.
