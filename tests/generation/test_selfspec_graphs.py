@@ -288,6 +288,31 @@ def test_batched_self_speculation_over_static_coded_cells_equals_growable_fp64(m
 
 
 @torch.no_grad()
+def test_many_holes_need_several_pages_coded_per_forward_and_a_larger_ring():
+    """A long run with dense holes (batch 4, gamma 4, one draft loop of three, 40 tokens): a row's boundary, counted in
+    its effective positions, then moves over several storage pages in one forward, and a row's window spans up to
+    `gamma + 1` storage positions per real token. With the ring and the pages per forward sized for that
+    (`coded_ring_capacity`, `flush_pages`) the static cache gives the growable cache's tokens; one page a forward, or
+    the ring sized without holes, does not."""
+    from hf_loopcache.cache.layers.static_coded import coded_ring_capacity, flush_pages
+
+    model = make_model("ouro", seed=0).double()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    ids[-1, :3] = 0
+    kw = dict(attention_mask=mask, draft_loops=1, block_size=4, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    growable = self_speculative_generate(model, ids, cache=CODED["kivi4"](model), **kw)
+    cache = CODED["kivi4"](model, static=True, max_batch_size=4, max_cache_len=250)
+    assert torch.equal(self_speculative_generate(model, ids, cache=cache, disable_compile=True, **kw), growable)
+    assert _holes(cache)
+    coded = [layer for layer in cache.cells if hasattr(layer, "qk")]
+    assert coded and all(layer.capacity == coded_ring_capacity(4, 4, 4) for layer in coded)
+    assert flush_pages(4, 4) > 1 and flush_pages(4, 0) == 1
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("name", ["kivi4-share", "hand", "ripe3-sink"])
 @pytest.mark.parametrize("fixture", ["tiny-ouro", "tiny-huginn"])
 def test_batched_self_speculation_over_static_coded_cells_on_trained_fixtures_fp32(monkeypatch, fixture, name):
