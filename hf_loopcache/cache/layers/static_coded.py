@@ -40,7 +40,7 @@ from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, e
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
 from triton_ops.coded_attention import CellView, coded_attention
-from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values
+from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values, flush_page
 
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
@@ -501,30 +501,19 @@ class StaticCodedLayer(_StaticWindowed):
         return super().stored_bytes() + keys.select_pages(0, pages).nbytes + values.select_tokens(0, coded).nbytes
 
     # ---------------------------------------------------------------- codes
-    def _put(self, page: torch.Tensor | int, qk: QuantizedKeys, qv: QuantizedValues) -> None:
-        """Codes of `qk.num_pages` pages from page `page` (a host int, or a one-element device tensor for one page)."""
+    def _put(self, page: int, qk: QuantizedKeys, qv: QuantizedValues) -> None:
+        """Codes of `qk.num_pages` pages from page `page` (host path; the decode step's flush writes in `flush`)."""
         p = self.page
         own_k, own_v = self._codes(self.num_pages + 1)
-        if isinstance(page, int):
-            n = qk.num_pages
-            t0, t1 = page * p, (page + n) * p
-            own_k.codes[:, :, t0:t1] = qk.codes
-            own_k.scale[:, :, page : page + n] = qk.scale
-            own_k.zero[:, :, page : page + n] = qk.zero
-            pairs = [(own_v.hi, qv.hi), (own_v.scale, qv.scale), (own_v.zero, qv.zero)]
-            pairs += [] if qv.lo is None else [(own_v.lo, qv.lo)]
-            for dst, src in pairs:
-                dst[:, :, t0:t1] = src
-            return
-        tokens = (page[:, None] * p + torch.arange(p, device=page.device)).flatten()  # [K * P] of K pages
-        own_k.codes.index_copy_(2, tokens, qk.codes)
-        own_k.scale.index_copy_(2, page, qk.scale)
-        own_k.zero.index_copy_(2, page, qk.zero)
-        own_v.hi.index_copy_(2, tokens, qv.hi)
-        own_v.scale.index_copy_(2, tokens, qv.scale)
-        own_v.zero.index_copy_(2, tokens, qv.zero)
-        if qv.lo is not None and own_v.lo is not None:
-            own_v.lo.index_copy_(2, tokens, qv.lo)
+        n = qk.num_pages
+        t0, t1 = page * p, (page + n) * p
+        own_k.codes[:, :, t0:t1] = qk.codes
+        own_k.scale[:, :, page : page + n] = qk.scale
+        own_k.zero[:, :, page : page + n] = qk.zero
+        pairs = [(own_v.hi, qv.hi), (own_v.scale, qv.scale), (own_v.zero, qv.zero)]
+        pairs += [] if qv.lo is None else [(own_v.lo, qv.lo)]
+        for dst, src in pairs:
+            dst[:, :, t0:t1] = src
 
     def _quantize(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, check_finite: bool = True):
         return quantize_pages(
@@ -532,16 +521,20 @@ class StaticCodedLayer(_StaticWindowed):
         )
 
     def flush(self, read: ReadState, positions: torch.Tensor) -> None:
-        """Code the page ending at `H(t)` (`t = positions[0]`, on the device) from the ring. While `H(t) <= S`, or when
-        the ring does not hold the page (below `floor`), the codes go to the scratch page past the last one, which
-        nothing reads: the step is the same either way."""
+        """Code the forward's `K` pages (`_geometry`: those ending at the page boundary at or above its largest history
+        end) from the ring, on the device. A page not due (below the sink, or no longer held by the ring: below
+        `floor`) goes to the scratch page past the last one, which nothing reads: the forward is the same either way.
+        `triton_ops.quant.flush_page` does it all in one kernel launch on CUDA (gather, quantize, pick the pages,
+        write; the device-side geometry read in the kernel), with the reference's torch ops elsewhere; the bytes are
+        the same."""
         geo = self._geometry(read, positions)
         ring_k, ring_v = self._views()
-        k, v = ring_k.index_select(2, geo["slots"]), ring_v.index_select(2, geo["slots"])
         mask = geo["valid"]
-        qk, qv = self._quantize(k, v, None if mask is None else mask[: self.rows], check_finite=False)
-        page = torch.where(geo["due"] & (geo["start"] >= self.floor_t), geo["page"], self.num_pages)
-        self._put(page, qk, qv)
+        keys, values = self._codes(self.num_pages + 1)
+        flush_page(
+            ring_k, ring_v, keys, values, slots=geo["slots"], page=geo["page"], due=geo["due"], start=geo["start"],
+            floor=self.floor_t, scratch_page=self.num_pages, valid=None if mask is None else mask[: self.rows],
+        )  # fmt: skip
 
     def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
         """Code the pages of `[start, end)` (page aligned) on the host path: positions below `length` from the ring,
