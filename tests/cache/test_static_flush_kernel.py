@@ -2,8 +2,9 @@
 launch per coded cell) decodes exactly as with the reference flush (the torch ops it replaces): the same tokens and
 logits, and every byte of the cache's device state equal (codes, scales, zero points, both INT4 value planes, the
 scratch page, rings, lengths), for kivi4 / kivi2 / kivi4-share, a left-padded batch (partial validity in the flushed
-pages), a step with no page due (scratch page) and flush boundaries crossed every 4 tokens; also when every step after the first is a replay of a recording
-(the CUDA-graph stand-in), which a flush that read a host value would get wrong.
+pages), a step with no page due (scratch page) and flush boundaries crossed every 4 tokens; kivi4 also when every step
+after the first is a replay of a recording (the CUDA-graph stand-in), which a flush that read a host value would get
+wrong.
 
 The kernel runs on the CPU under `TRITON_INTERPRET=1` (started by `tests/ops/test_triton_interpreter.py`); on CUDA
 the captured-step tests in `test_static_loopkv.py` run it for real.
@@ -70,10 +71,11 @@ def _assert_same(got, want):
                            b.view(torch.uint8) if b.is_floating_point() else b)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["kivi4", "kivi2", "kivi4-share"])
-def test_fused_flush_decodes_as_the_reference(monkeypatch, name):
-    _assert_same(_decode(monkeypatch, name, True), _decode(monkeypatch, name, False))
-
-
-def test_fused_flush_in_a_replayed_step(monkeypatch):
-    _assert_same(_decode(monkeypatch, "kivi4", True, replayed=True), _decode(monkeypatch, "kivi4", False, replayed=True))
+@pytest.mark.parametrize(
+    "name,replayed",
+    [pytest.param("kivi4", True, id="kivi4-replayed"), pytest.param("kivi2", False, id="kivi2"),
+     pytest.param("kivi4-share", False, id="kivi4-share")],
+)  # fmt: skip
+def test_fused_flush_decodes_as_the_reference(monkeypatch, name, replayed):
+    """(`replayed`: every step after the first is a replay of its recording, with the host lengths frozen.)"""
+    _assert_same(_decode(monkeypatch, name, True, replayed), _decode(monkeypatch, name, False, replayed))
