@@ -215,3 +215,31 @@ def test_flush_page_errors_name_the_argument():
         call(store=(_store(case, 2, 0)[0], store[1]))
     with pytest.raises(ValueError, match="`ring_key` and `ring_value` must have the same shape"):
         call(ring_k=ring_k[:, :, :5])
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
+def test_flush_kernel_compiles_for_sm90(nbits):
+    """The interpreter runs Python, not Triton's compiler (which, e.g., needs one type per name across a branch):
+    compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels, pages and groups of
+    32, a validity mask), with no GPU."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_ops.quant.kernels import _flush_page_fwd_kernel as fn
+
+    consts = dict(D=128, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=16 * nbits, BLOCK_NG=4, BLOCK_K=8,
+                  USE_VALID=True)  # fmt: skip
+    ptr = dict(k_ptr="bf16", v_ptr="bf16", slots_ptr="i64", valid_ptr="i1", due_ptr="i1", start_ptr="i64",
+               floor_ptr="i64", page_ptr="i64", codes_ptr="u8", kscale_ptr="fp16", kzero_ptr="fp16", hi_ptr="u8",
+               lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16")  # fmt: skip
+    sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as err:  # no ptxas in this Triton build
+        if "ptxas" in str(err).lower():
+            pytest.skip(str(err).splitlines()[0])
+        raise
+    assert kernel.asm.get("cubin")
