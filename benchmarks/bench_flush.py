@@ -140,8 +140,9 @@ def flush_rows(model, shape: str, batch: int, context: int, new_tokens: int, dev
     cache = LoopKVCache(model, "kivi4", tau=None, static=True, max_batch_size=batch, max_cache_len=context)
     torch.manual_seed(batch)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
+    with torch.no_grad():  # the prefill codes the prompt's pages; the logits of its last position only
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)  # fmt: skip
     cells = [c for c in cache.cells if isinstance(c, StaticCodedLayer)]
     positions = torch.tensor([prompt], device=device)
     valid = cache._valid_t[:batch]
