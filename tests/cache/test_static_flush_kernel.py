@@ -41,8 +41,8 @@ def _route(monkeypatch, fused: bool) -> list[str]:
 
 
 def _decode(monkeypatch, name, fused, replayed=False):
-    # small enough for the interpreter (one layer x 3 loops, 2 KV heads of 32, 2 rows: 8 programs a launch)
-    model = make_model("ouro", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1).float()
+    # small enough for the interpreter (one layer x 3 loops, one KV head of 32 (GQA 2), 2 rows: 4 programs a launch)
+    model = make_model("ouro", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1).float()
     ids, mask = _prompt(2, True)
     cache = _cache(model, name, static=True, max_batch_size=3, max_cache_len=24)
     kwargs = {}
