@@ -42,11 +42,12 @@ class Case:
     due: bool = True
     floor: int = 10
     mask: str = "none"  # none | partial | empty-row
+    K: int = 1  # pages per call: page k starts at `first + k * P` and goes to page `page + k`
 
     def id(self) -> str:
         held = "" if self.first >= self.floor else "-unheld"
         return (f"B{self.B}-H{self.H}-D{self.D}-P{self.P}-G{self.G}-page{self.page}{'' if self.due else '-notdue'}"
-                f"{held}-wrap{int((self.first % self.C) + self.P > self.C)}-{self.mask}")  # fmt: skip
+                f"{held}-wrap{int((self.first % self.C) + self.K * self.P > self.C)}-{self.mask}-K{self.K}")  # fmt: skip
 
 
 CASES = [
@@ -57,6 +58,8 @@ CASES = [
     Case(floor=45, mask="partial"),  # the ring no longer holds the page: the scratch page
     Case(B=1, H=3, D=32, P=8, G=32, C=11, N=2, first=7, page=1),  # one row, one value group, a short ring
     Case(B=3, H=1, D=128, P=32, G=32, C=70, N=3, first=50, page=2, mask="partial"),  # LoopKV's page and group
+    Case(K=3, C=30, first=37, page=1, floor=45, mask="partial"),  # 3 pages a call, the first no longer held, wrapping
+    Case(K=2, C=30, first=20, page=0, mask="empty-row"),
 ]
 
 
@@ -89,23 +92,26 @@ def _inputs(case: Case, nbits: int, dtype: torch.dtype, seed: int = 0):
     """The ring (the page's positions hold `_data`'s awkward values: ties, exact zeros, -0.0, constant rows,
     reciprocal traps; the other slots random), the geometry, the validity (padding keys hold NaN / inf)."""
     g = torch.Generator().manual_seed(seed + 7)
-    page_k = _data((case.B, case.H, case.P, case.D), torch.float32, seed, nbits, case.G)
-    page_v = _data((case.B, case.H, case.P, case.D), torch.float32, seed + 1, nbits, case.G)
+    n = case.K * case.P
+    page_k = torch.cat([_data((case.B, case.H, case.P, case.D), torch.float32, seed + 2 * k, nbits, case.G)
+                        for k in range(case.K)], dim=2)  # fmt: skip
+    page_v = torch.cat([_data((case.B, case.H, case.P, case.D), torch.float32, seed + 2 * k + 1, nbits, case.G)
+                        for k in range(case.K)], dim=2)  # fmt: skip
     ring_k = torch.randn(case.B, case.H, case.C, case.D, generator=g) * 5
     ring_v = torch.randn(case.B, case.H, case.C, case.D, generator=g) * 5
-    positions = torch.arange(case.first, case.first + case.P)
+    positions = torch.arange(case.first, case.first + n)
     slots = positions % case.C
     valid = None
     if case.mask != "none":
-        valid = torch.rand(case.B, case.P, generator=g) > 0.4
+        valid = torch.rand(case.B, n, generator=g) > 0.4
         valid[:, 0] = True
         if case.mask == "empty-row":
             valid[-1] = False
         page_k = page_k.masked_fill(~valid[:, None, :, None], float("nan"))
         page_k[:, :, 1] = torch.where(valid[:, None, 1, None], page_k[:, :, 1], float("inf"))
     ring_k[:, :, slots], ring_v[:, :, slots] = page_k, page_v
-    one = lambda v, dt=torch.long: torch.tensor([v], dtype=dt)  # noqa: E731
-    geo = dict(slots=slots, page=one(case.page), due=one(case.due, torch.bool), start=one(case.first),
+    ks = torch.arange(case.K)
+    geo = dict(slots=slots, page=case.page + ks, due=torch.full((case.K,), case.due), start=case.first + case.P * ks,
                floor=torch.tensor(case.floor), scratch_page=case.N, valid=valid)  # fmt: skip
     return ring_k.to(dtype), ring_v.to(dtype), geo
 
@@ -113,21 +119,23 @@ def _inputs(case: Case, nbits: int, dtype: torch.dtype, seed: int = 0):
 def _expected(case: Case, nbits: int, ring_k, ring_v, geo, store):
     """The independent statement: quantize the page's positions and copy them to the page the geometry picks."""
     keys, values = _to(store, "cpu")
-    slots = torch.arange(case.first, case.first + case.P) % case.C
-    k, v = ring_k[:, :, slots].cpu(), ring_v[:, :, slots].cpu()
-    valid = geo["valid"]
-    qk = naive.quantize_keys(k, nbits, group_size=case.P, valid=valid, check_finite=False)
-    qv = naive.quantize_values(v, nbits, group_size=case.G)
-    dst = case.page if case.due and case.first >= case.floor else case.N
-    b, t0, t1 = case.B, dst * case.P, (dst + 1) * case.P
-    keys.codes[:b, :, t0:t1] = qk.codes
-    keys.scale[:b, :, dst] = qk.scale[:, :, 0]
-    keys.zero[:b, :, dst] = qk.zero[:, :, 0]
-    values.hi[:b, :, t0:t1] = qv.hi
-    values.scale[:b, :, t0:t1] = qv.scale
-    values.zero[:b, :, t0:t1] = qv.zero
-    if nbits == 4:
-        values.lo[:b, :, t0:t1] = qv.lo
+    for i in range(case.K):  # page by page, each quantized on its own
+        first = case.first + i * case.P
+        slots = torch.arange(first, first + case.P) % case.C
+        k, v = ring_k[:, :, slots].cpu(), ring_v[:, :, slots].cpu()
+        valid = None if geo["valid"] is None else geo["valid"][:, i * case.P : (i + 1) * case.P]
+        qk = naive.quantize_keys(k, nbits, group_size=case.P, valid=valid, check_finite=False)
+        qv = naive.quantize_values(v, nbits, group_size=case.G)
+        dst = case.page + i if case.due and first >= case.floor else case.N
+        b, t0, t1 = case.B, dst * case.P, (dst + 1) * case.P
+        keys.codes[:b, :, t0:t1] = qk.codes
+        keys.scale[:b, :, dst] = qk.scale[:, :, 0]
+        keys.zero[:b, :, dst] = qk.zero[:, :, 0]
+        values.hi[:b, :, t0:t1] = qv.hi
+        values.scale[:b, :, t0:t1] = qv.scale
+        values.zero[:b, :, t0:t1] = qv.zero
+        if nbits == 4:
+            values.lo[:b, :, t0:t1] = qv.lo
     return keys, values
 
 
@@ -199,12 +207,14 @@ def test_flush_page_errors_name_the_argument():
     def call(**overrides):
         flush_page(overrides.pop("ring_k", ring_k), ring_v, *overrides.pop("store", store), **{**geo, **overrides})
 
-    with pytest.raises(ValueError, match="`slots` holds 5 positions"):
+    with pytest.raises(ValueError, match="`slots` holds 5 positions but 1 page"):
         call(slots=geo["slots"][:5])
-    with pytest.raises(TypeError, match="`due` must be a one-element bool"):
+    with pytest.raises(TypeError, match="`due` must be a bool tensor of 1 element"):
         call(due=torch.tensor([1]))
-    with pytest.raises(TypeError, match="`page` must be a one-element int64"):
+    with pytest.raises(TypeError, match="`page` must be a int64 / int32 tensor"):
         call(page=torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="`start` must be a int64 / int32 tensor of 1 element"):
+        call(start=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="`valid` must have shape"):
         call(valid=torch.ones(case.B, case.P + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="`keys.codes` must hold .* scratch page 5"):

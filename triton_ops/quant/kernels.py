@@ -172,7 +172,7 @@ def _quantize_values_fwd_kernel(
 
 @triton.jit
 def _flush_key_page(
-    k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, m_p,
+    k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, o_m, m_p,
     stride_kb, stride_kh, stride_kt, stride_kd, stride_mb, stride_mt, stride_cb, stride_ch, stride_ct,
     stride_sb, stride_sh, stride_sg,
     D: tl.constexpr, NBITS: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -185,7 +185,7 @@ def _flush_key_page(
     m_c = o_c < D // PER_BYTE
     m_x = m_p[:, None] & m_c[None, :]
     if USE_VALID:
-        b_valid = tl.load(valid_ptr + i_b * stride_mb + o_p * stride_mt, mask=m_p, other=0) != 0  # [BP]
+        b_valid = tl.load(valid_ptr + i_b * stride_mb + o_m * stride_mt, mask=m_p, other=0) != 0  # [BP]
         m_use = m_x & b_valid[:, None]
         any_valid = tl.max(b_valid.to(tl.int32), axis=0) > 0
     else:
@@ -310,20 +310,21 @@ def _flush_page_fwd_kernel(
     BLOCK_K: tl.constexpr,
     USE_VALID: tl.constexpr,
 ):
-    # one program per (b * h, keys | values): gather the page's PAGE positions from the ring slots, quantize them, and
-    # write the destination page, chosen here from the device-side geometry (the scratch page SCRATCH when no page
-    # is due or the ring no longer holds it): the same arguments every step, nothing read on the host
-    i_bh, i_kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    # one program per (b * h, keys | values, page k of the K): gather the page's PAGE positions from the ring slots,
+    # quantize them, and write the destination page, chosen here from the device-side geometry (the scratch page
+    # SCRATCH when the page is not due or the ring no longer holds it): the same arguments every step, no host read
+    i_bh, i_kv, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    b_due = tl.load(due_ptr) != 0
-    b_held = tl.load(start_ptr) >= tl.load(floor_ptr)
-    i_p = tl.where(b_due & b_held, tl.load(page_ptr), SCRATCH).to(tl.int64)
+    b_due = tl.load(due_ptr + i_k) != 0
+    b_held = tl.load(start_ptr + i_k) >= tl.load(floor_ptr)
+    i_p = tl.where(b_due & b_held, tl.load(page_ptr + i_k), SCRATCH).to(tl.int64)
     o_p = tl.arange(0, BLOCK_P)
     m_p = o_p < PAGE
-    b_slot = tl.load(slots_ptr + o_p, mask=m_p, other=0).to(tl.int64)  # [BP] ring slots of the page's positions
+    o_m = i_k * PAGE + o_p  # [BP] the page's positions among the K * P gathered ones
+    b_slot = tl.load(slots_ptr + o_m, mask=m_p, other=0).to(tl.int64)  # [BP] ring slots of the page's positions
     if i_kv == 0:
         _flush_key_page(
-            k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, m_p,
+            k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, o_m, m_p,
             stride_kb, stride_kh, stride_kt, stride_kd, stride_mb, stride_mt, stride_cb, stride_ch, stride_ct,
             stride_sb, stride_sh, stride_sg, D, NBITS, PAGE, BLOCK_P, BLOCK_C, USE_VALID,
         )  # fmt: skip

@@ -735,8 +735,8 @@ def cold_value_error_bound(qv: QuantizedValues) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _check_index_scalar(t: object, name: str, dtype_kind: str, device: torch.device) -> Tensor:
-    ok = isinstance(t, Tensor) and t.numel() == 1 and t.ndim <= 1
+def _check_index_tensor(t: object, name: str, dtype_kind: str, numel: int, device: torch.device) -> Tensor:
+    ok = isinstance(t, Tensor) and t.numel() == numel and t.ndim <= 1
     if ok and dtype_kind == "bool":
         ok = t.dtype == torch.bool  # type: ignore[union-attr]
     elif ok:
@@ -744,7 +744,8 @@ def _check_index_scalar(t: object, name: str, dtype_kind: str, device: torch.dev
     if not ok:
         what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         want = "bool" if dtype_kind == "bool" else "int64 / int32"
-        raise TypeError(f"`{name}` must be a one-element {want} tensor (shape [] or [1]), got {what}")
+        shape = "[] or [1]" if numel == 1 else f"[{numel}]"
+        raise TypeError(f"`{name}` must be a {want} tensor of {numel} element(s) (shape {shape}), got {what}")
     if t.device != device:  # type: ignore[union-attr]
         raise ValueError(f"`{name}` is on {t.device} but `ring_key` is on {device}; a kernel reads one device")  # type: ignore[union-attr]
     return t  # type: ignore[return-value]
@@ -779,10 +780,15 @@ def _check_flush(
         raise ValueError(f"`keys.nbits` ({keys.nbits}) and `values.nbits` ({values.nbits}) must be equal")
     if not isinstance(slots, Tensor) or slots.ndim != 1 or slots.dtype not in (torch.int64, torch.int32):
         got = f"{slots.dtype} {tuple(slots.shape)}" if isinstance(slots, Tensor) else type(slots).__name__
-        raise TypeError(f"`slots` must be a 1-D int64 / int32 tensor of the page's ring slots [P], got {got}")
-    p = slots.shape[0]
-    if p != keys.group_size:
-        raise ValueError(f"`slots` holds {p} positions but a key page (`keys.group_size`) is {keys.group_size}")
+        raise TypeError(f"`slots` must be a 1-D int64 / int32 tensor of the pages' ring slots [K * P], got {got}")
+    if not isinstance(page, Tensor) or page.numel() < 1:
+        raise TypeError(f"`page` must be a non-empty int64 tensor of the K destination pages, got {page!r}")
+    p, n_pages = keys.group_size, page.numel()
+    if slots.shape[0] != n_pages * p:
+        raise ValueError(
+            f"`slots` holds {slots.shape[0]} positions but {n_pages} page(s) of `keys.group_size` = {p} need "
+            f"{n_pages * p}"
+        )
     if isinstance(scratch_page, bool) or not isinstance(scratch_page, int) or scratch_page < 0:
         raise TypeError(f"`scratch_page` must be a non-negative int (the page written when none is due), got {scratch_page!r}")
     b, h, _, d = ring_key.shape
@@ -812,14 +818,15 @@ def _check_flush(
     _check_codes_width(d, keys.nbits, "keys")
     if slots.device != ring_key.device:
         raise ValueError(f"`slots` is on {slots.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
-    for name, t, kind in (("page", page, "int"), ("due", due, "bool"), ("start", start, "int"), ("floor", floor, "int")):
-        _check_index_scalar(t, name, kind, ring_key.device)
+    for name, t, kind, n in (("page", page, "int", n_pages), ("due", due, "bool", n_pages),
+                             ("start", start, "int", n_pages), ("floor", floor, "int", 1)):  # fmt: skip
+        _check_index_tensor(t, name, kind, n, ring_key.device)
     if valid is not None:
         if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
             got = valid.dtype if isinstance(valid, Tensor) else type(valid).__name__
             raise TypeError(f"`valid` must be a bool tensor of shape [B, P] (True = real token), got {got}")
-        if tuple(valid.shape) != (b, p):
-            raise ValueError(f"`valid` must have shape [B, P] = {(b, p)}, got {tuple(valid.shape)}")
+        if tuple(valid.shape) != (b, n_pages * p):
+            raise ValueError(f"`valid` must have shape [B, K * P] = {(b, n_pages * p)}, got {tuple(valid.shape)}")
         if valid.device != ring_key.device:
             raise ValueError(f"`valid` is on {valid.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
 
@@ -838,13 +845,14 @@ def flush_page(
     scratch_page: int,
     valid: Tensor | None = None,
 ) -> None:
-    """Code one page of positions held in a ring and write it into page storage, in place: the flush of a static
-    coded cell's decode step (`hf_loopcache` `StaticCodedLayer.flush`). Reference of `triton_ops.quant.flush_page`.
+    """Code `K` pages of positions held in a ring and write them into page storage, in place: the flush of a static
+    coded cell's forward (`hf_loopcache` `StaticCodedLayer.flush`). Reference of `triton_ops.quant.flush_page`.
 
-    Gathers ring slots `slots` of `ring_key` / `ring_value`, quantizes them as `quantize_keys` (one page, `valid`
-    leaving padding out of the min/max) and `quantize_values` do, and writes the codes, scales and zero points to page
-    `page` of `keys` / `values` when `due and start >= floor`, else to page `scratch_page` (which nobody reads): every
-    call writes the same number of bytes and nothing is read back on the host.
+    Gathers ring slots `slots` of `ring_key` / `ring_value`, quantizes them as `quantize_keys` (pages of
+    `keys.group_size` positions, `valid` leaving padding out of the min/max) and `quantize_values` do, and writes
+    page `k`'s codes, scales and zero points to page `page[k]` of `keys` / `values` when `due[k] and start[k] >=
+    floor`, else to page `scratch_page` (which nobody reads; several pages sent there land in an unspecified order):
+    every call writes the same number of bytes and nothing is read back on the host.
 
     Args:
         ring_key, ring_value (`torch.Tensor` of shape `[B, H, C, D]`): the ring (any float dtype, any strides).
@@ -852,26 +860,27 @@ def flush_page(
             `[B', H, N, D]` with `B' >= B`, `N > scratch_page`, `P = keys.group_size`; rows `[0, B)` are written.
         values (`QuantizedValues`): page storage, `hi` (/ `lo`) `[B', H, N * P, D // 4]`, `scale` / `zero`
             `[B', H, N * P, D // values.group_size]`; same `nbits` as `keys`.
-        slots (`torch.LongTensor` of shape `[P]`): ring slots of the page's positions, in position order.
-        page (`torch.LongTensor`, one element): the destination page when one is due.
-        due (`torch.BoolTensor`, one element): whether a page is due.
-        start, floor (`torch.LongTensor`, one element each): the page's first position and the lowest position the
-            ring still holds; the page is written only when `start >= floor`.
+        slots (`torch.LongTensor` of shape `[K * P]`): ring slots of the pages' positions, page by page, in position
+            order.
+        page (`torch.LongTensor` of shape `[K]`, or `[]` for one page): the destination pages when due.
+        due (`torch.BoolTensor` of shape `[K]`): whether each page is due.
+        start (`torch.LongTensor` of shape `[K]`), floor (`torch.LongTensor`, one element): each page's first position
+            and the lowest position the ring still holds; a page is written only when `start >= floor`.
         scratch_page (`int`): the page written instead (a page past the readable ones).
-        valid (`torch.BoolTensor` of shape `[B, P]`, *optional*): key validity of the page's positions.
+        valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): key validity of the pages' positions.
     """
     _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
     _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
 
 
 def _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid) -> None:
-    """`flush_page` without validation: gather, quantize (no finite check: no host read), pick the page, write."""
-    b, p = ring_key.shape[0], slots.shape[0]
+    """`flush_page` without validation: gather, quantize (no finite check: no host read), pick the pages, write."""
+    b, p = ring_key.shape[0], keys.group_size
     k, v = ring_key.index_select(2, slots), ring_value.index_select(2, slots)
     qk = quantize_keys(k, keys.nbits, group_size=p, valid=valid, check_finite=False)
     qv = quantize_values(v, values.nbits, group_size=values.group_size, check_finite=False)
-    dst = torch.where(due & (start >= floor), page, scratch_page).reshape(1)
-    tokens = dst * p + torch.arange(p, device=dst.device)
+    dst = torch.where(due & (start >= floor), page, scratch_page).reshape(-1)  # [K]
+    tokens = (dst[:, None] * p + torch.arange(p, device=dst.device)).flatten()  # [K * P]
     keys.codes[:b].index_copy_(2, tokens, qk.codes)
     keys.scale[:b].index_copy_(2, dst, qk.scale)
     keys.zero[:b].index_copy_(2, dst, qk.zero)

@@ -218,8 +218,8 @@ def _flush_page_fwd(
     scratch_page: int,
     valid: Tensor | None,
 ) -> None:
-    """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2)` (keys, values), writing rows `[0, B)` of the
-    page storage in place. The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
+    """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2, K)` (keys / values of each of the K pages),
+    writing rows `[0, B)` of the page storage in place. The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
     `lo`, the two key metadata tensors and the two value metadata tensors must share their strides."""
     from triton_ops.quant.kernels import _flush_page_fwd_kernel
 
@@ -234,10 +234,12 @@ def _flush_page_fwd(
         if t.stride(-1) != 1:
             raise ValueError(f"`{name}` must have unit stride on its last dim, got strides {t.stride()}")
     b, h, _, d = ring_key.shape
-    p, gs = slots.shape[0], values.group_size
+    p, gs = keys.group_size, values.group_size
+    pages = page.numel()
     if not b * h:
         return
-    _flush_page_fwd_kernel[(b * h, 2)](
+    page, due, start = page.reshape(-1), due.reshape(-1), start.reshape(-1)  # views: [K], contiguous
+    _flush_page_fwd_kernel[(b * h, 2, pages)](
         k_ptr=ring_key,
         v_ptr=ring_value,
         slots_ptr=slots,
@@ -303,11 +305,12 @@ def flush_page(
     scratch_page: int,
     valid: Tensor | None = None,
 ) -> None:
-    """Code one page of a ring into page storage, in place: the flush of a static coded cell's decode step. Same
-    contract and bytes as `triton_ops.quant.naive.flush_page` (gather the ring slots, `quantize_keys` over the page
-    with `valid`, `quantize_values`, write to page `page` when `due and start >= floor`, else to `scratch_page`).
+    """Code `K` pages of a ring into page storage, in place: the flush of a static coded cell's forward. Same contract
+    and bytes as `triton_ops.quant.naive.flush_page` (gather the ring slots, `quantize_keys` over each page with
+    `valid`, `quantize_values`, write page `k` to page `page[k]` when `due[k] and start[k] >= floor`, else to
+    `scratch_page`).
 
-    On CUDA tensors (with Triton) it is **one kernel launch** (`_flush_page_fwd_kernel`, grid `(B * H, 2)`) that
+    On CUDA tensors (with Triton) it is **one kernel launch** (`_flush_page_fwd_kernel`, grid `(B * H, 2, K)`) that
     reads the device-side geometry itself: no host read, no allocation, the same addresses every call, so it can be
     captured in a CUDA graph. Elsewhere the reference runs (a dozen torch ops). Neither checks finiteness (a host
     read): the ring must hold finite values within the fp16 range at the page's valid positions.
@@ -319,14 +322,15 @@ def flush_page(
             `[B', H, N, D]` (`B' >= B`, `N > scratch_page`, `P = keys.group_size`); rows `[0, B)` are written.
         values (`QuantizedValues`): page storage, `hi` (/ `lo` for INT4) `[B', H, N * P, D // 4]`, `scale` / `zero`
             `[B', H, N * P, D // values.group_size]`, the same `nbits` as `keys`.
-        slots (`torch.LongTensor` of shape `[P]`): ring slots of the page's positions (in position order; a ring
-            wraps, so they need not be consecutive).
-        page (`torch.LongTensor`, one element): destination page when one is due.
-        due (`torch.BoolTensor`, one element): whether a page is due this step.
-        start, floor (`torch.LongTensor`, one element each): the page's first position, and the lowest position the
-            ring holds; a page below `floor` is not written (it goes to the scratch page).
-        scratch_page (`int`): page written when none is due (past every page a reader reads).
-        valid (`torch.BoolTensor` of shape `[B, P]`, *optional*): False marks padding positions, left out of the
+        slots (`torch.LongTensor` of shape `[K * P]`): ring slots of the pages' positions, page by page (in position
+            order; a ring wraps, so they need not be consecutive).
+        page (`torch.LongTensor` of shape `[K]`, or `[]` / `[1]` for one page): destination pages when due.
+        due (`torch.BoolTensor` of shape `[K]`): whether each page is due.
+        start (`torch.LongTensor` of shape `[K]`), floor (`torch.LongTensor`, one element): each page's first position,
+            and the lowest position the ring holds; a page below `floor` is not written (it goes to the scratch page).
+        scratch_page (`int`): page written for a page not due (past every page a reader reads; several pages sent
+            there land in an unspecified order).
+        valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): False marks padding positions, left out of the
             key pages' min / max.
 
     Example:
