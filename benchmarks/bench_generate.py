@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.common import build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
-from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer
+from hf_loopcache.cache.layers.static import StaticDenseLayer
 from triton_ops import fused
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
@@ -144,8 +144,6 @@ def run_one(
         "cache": cache_name,
         "mode": "peer" if peer else mode,
         "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
-        "shared_read": ("in-place" if StaticSharedLayer.read_in_place else "concat") if mode != "eager" and not peer
-        else None,
         "fused_ops": fused_ops if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
@@ -257,17 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
     parser.add_argument("--fused", nargs="+", default=["on"], choices=("on", "off"),
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
-    parser.add_argument("--shared-read", default="in-place" if StaticSharedLayer.read_in_place else "concat",
-                        choices=("concat", "in-place"),
-                        help="how a static RIPE/deepest shared cell reads its source: SDPA over source and ring "
-                             "concatenated, or coded_attention in place (StaticSharedLayer.read_in_place)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     args = parser.parse_args(argv)
     modes = [m for m in MODES if m in args.modes or (m == "static" and args.static) or (m == "graph" and args.graph)]
     reference: dict[tuple, torch.Tensor] = {}
     StaticDenseLayer.read_method = args.static_read
-    StaticSharedLayer.read_in_place = args.shared_read == "in-place"
     device = args.device
     dtype = getattr(torch, args.dtype)
     rows = []

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_loopcache import FullLoopCache, RIPECache
-from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
+from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
+from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 from hf_loopcache.cache.read import ReadState
 
 
@@ -87,15 +88,15 @@ def cell_reads(device: str, length: int, heads: int = 16, dim: int = 128) -> lis
                 rows.append({"cell": f"masked SDPA, {label} only", "batch": batch, "us": round(us, 1)})
         us = _median_us(lambda q=query, k=k, v=v: F.scaled_dot_product_attention(q, k, v), device)
         rows.append({"cell": "growable: unmasked SDPA", "batch": batch, "us": round(us, 1)})
-        shared = StaticSharedLayer(source, window=64, page_size=1, capacity=ring_capacity(64, 1, 0),
-                                   max_batch_size=batch)
+        shared = StaticCodedSharedLayer(source, sink=0, window=64, page_size=1, rollback=0, max_batch_size=batch,
+                                        max_cache_len=length)
         shared.lazy_initialization(keys[:, :, :1], keys[:, :, :1])
 
         def shared_step(shared=shared, query=query, read=read) -> torch.Tensor:
             shared.length = shared.high = length - 1
-            return shared.attend(query, query, query, read())  # a fresh ReadState: the masks are made in the call
+            return shared.attend(query, query, query, read())  # a fresh ReadState: the geometry is made in the call
 
-        rows.append({"cell": "static shared (RIPE 64)", "read": "sdpa", "batch": batch,
+        rows.append({"cell": "static shared (RIPE 64)", "read": "coded_attention in place", "batch": batch,
                      "us": round(_median_us(shared_step, device), 1)})
     return rows
 

@@ -20,6 +20,7 @@ REGISTRY = {
     "coded-attention": ("benchmarks.bench_coded_attention", "tests/ops/test_coded_attention_kernels.py"),
     "selfspec": ("benchmarks.bench_selfspec", "tests/generation/test_self_speculative.py"),
     "multi-gpu": ("benchmarks.bench_multi_gpu", "tests/cache/test_device_map.py"),
+    "flush": ("benchmarks.bench_flush", "tests/ops/test_flush_page.py"),
 }
 
 

@@ -63,8 +63,6 @@ class AttentionInputs:
         length (`int`, *optional*): with a static cache, the positions it held before this forward (host side).
         source_length (`torch.LongTensor` of shape `[1]`, *optional*): with a static cache, the positions its final
             loop's cells hold, on the device (what a partial-depth draft's shared cells may read from their sources).
-        own_start (`torch.LongTensor` of shape `[]`, *optional*): with a static cache, the first position its shared
-            cells read from their rings, on the device (one value for every ring, set when the cache rolls back).
     """
 
     key_valid: torch.Tensor | None
@@ -74,7 +72,6 @@ class AttentionInputs:
     static_mask: torch.Tensor | None = None
     length: int | None = None
     source_length: torch.Tensor | None = None
-    own_start: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -81,10 +81,10 @@ def teacher_forced_logprob(model, sequence: torch.Tensor, prompt_length: int, ca
 def device_state(cache) -> list[torch.Tensor]:
     """Every tensor a captured step of a static `LoopCache` may write: the cache's device-side lengths, key validity
     and ring starts, and each cell's storage (dense buffers, sink, ring bounds, codes)."""
-    names = ("_length_t", "_valid_t", "_source_length_t", "_own_start_t")
+    names = ("_length_t", "_valid_t", "_source_length_t")
     tensors = [t for t in (getattr(cache, name, None) for name in names) if t is not None]
     for layer in cache.cells:
-        for name in ("k", "v", "sink_k", "sink_v", "floor_t", "own_start_t"):
+        for name in ("k", "v", "sink_k", "sink_v", "floor_t"):
             if getattr(layer, name, None) is not None:
                 tensors.append(getattr(layer, name))
         qk, qv = getattr(layer, "qk", None), getattr(layer, "qv", None)
@@ -93,22 +93,37 @@ def device_state(cache) -> list[torch.Tensor]:
     return tensors
 
 
+def host_state(cache) -> list[dict]:
+    """Every cell's host-side scalars (lengths, ring bounds, floors: the Python ints and bools a step's host code reads
+    and writes), by flat index."""
+    return [
+        {name: value for name, value in vars(layer).items() if type(value) in (int, bool, float)}
+        for layer in cache.cells
+    ]
+
+
+def restore_host_state(cache, state: list[dict]) -> None:
+    for layer, saved in zip(cache.cells, state):
+        vars(layer).update(saved)
+
+
 class ReplayedStep:
     """A stand-in for a CUDA graph on the CPU: a replay reruns the recorded step with the host state (every cell's
-    host length) frozen at its recording, as a real graph replays kernels whose host-side arguments were fixed then;
-    only device state (tensors) moves on. A step that read a host length would go wrong here as on the GPU."""
+    host length, ring bounds and floors) frozen at its recording, as a real graph replays kernels whose host-side
+    arguments were fixed then, and leaves the host state as it found it, as a real replay runs no host code; only
+    device state (tensors) moves on. A step that read a host value would go wrong here as on the GPU."""
 
-    def __init__(self, fn, out, cache):
+    def __init__(self, fn, out, cache, host: list[dict]):
         self.fn, self.out, self.cache = fn, out, cache
-        self.lengths = cache._host_lengths()
+        self.host = host  # at the recording, before it ran
         self.replays = 0
 
     def replay(self):
-        now = self.cache._host_lengths()
-        self.cache._restore_host_lengths(self.lengths)
+        now = host_state(self.cache)
+        restore_host_state(self.cache, self.host)
         with torch.no_grad():
             self.out.copy_(self.fn())
-        self.cache._restore_host_lengths(now)
+        restore_host_state(self.cache, now)
         self.replays += 1
 
 
@@ -118,12 +133,12 @@ def stand_in_graphs(monkeypatch) -> None:
     from hf_loopcache.models._graphs import DecodeGraphs
 
     def record(self, fn, cache):
-        before = [t.clone() for t in device_state(cache)]
+        before, host = [t.clone() for t in device_state(cache)], host_state(cache)
         with torch.no_grad():
             out = fn()
         for t, saved in zip(device_state(cache), before):
             t.copy_(saved)
-        return ReplayedStep(fn, out, cache), out
+        return ReplayedStep(fn, out, cache, host), out
 
     monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
     monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
-from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
+from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
 from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
@@ -66,9 +66,9 @@ class LoopCache(Cache):
             one-token decode step has the same shapes and addresses every step (`is_compileable`; captured in a CUDA
             graph by `generate` on CUDA). Every plan: `bf16` cells are `StaticDenseLayer`s; `int4` / `int2` cells
             are `StaticCodedLayer`s (BF16 sink, a ring of recent positions, the codes of every page preallocated, the
-            page flush inside the step); `share` cells keep their own recent positions in a ring sized by the window
-            and `max_rollback` and read their source in place (`StaticSharedLayer` for RIPE plans without a sink,
-            `StaticCodedSharedLayer` for a sink or a coded source).
+            page flush inside the step); `share` cells (`StaticCodedSharedLayer`) keep their own recent positions in
+            a ring sized by the window and `max_rollback` and read their source's codes or BF16 buffer in place.
+            Every cell takes holes (rows' rejected draft tokens), so self-speculation runs batched and captured.
         max_batch_size (`int`, *optional*): rows of a static cache (required with `static=True`).
         max_cache_len (`int`, *optional*): positions of a static cache, prompt and generated tokens (required with
             `static=True`).
@@ -125,7 +125,6 @@ class LoopCache(Cache):
         self._length_t: torch.Tensor | None = None  # static: positions held, on the device (advanced in the step)
         self._valid_t: torch.Tensor | None = None  # static: key validity [max_batch_size, max_cache_len]
         self._source_length_t: torch.Tensor | None = None  # static: positions the final loop holds [1], on the device
-        self._own_start_t: torch.Tensor | None = None  # static: first position every ring is read from, on the device
         self._graphs: dict[Any, Any] = {}  # static: captured decode steps (see `hf_loopcache.models._graphs`)
         self._graph_pool: Any = None  # static: the memory pool the captured steps share
         self.plan = plan
@@ -168,18 +167,8 @@ class LoopCache(Cache):
         if option == "share":
             if source is None:
                 raise ValueError(f"cell {cell} shares, but no source cell was given")
-            in_place = StaticSharedLayer.read_in_place
-            if self.static and (self.plan.sink or not isinstance(source, StaticDenseLayer) or in_place):
+            if self.static:  # reads the source in place: its codes, or its BF16 buffer (RIPE) as a BF16 history
                 return StaticCodedSharedLayer(source, **static_sizes)  # type: ignore[arg-type]
-            if self.static:
-                return StaticSharedLayer(
-                    source,  # type: ignore[arg-type]
-                    window=self.plan.window,
-                    page_size=self.plan.page_size,
-                    capacity=ring_capacity(self.plan.window, self.plan.page_size, self.max_rollback),
-                    max_batch_size=self.max_batch_size,  # type: ignore[arg-type]
-                    own_start_on_device=False,  # the cache's one `_own_start_t` serves every ring (one fill a rollback)
-                )
             return SharedLayer(source, **sizes)
         nbits = 4 if option == "int4" else 2
         if self.static:
@@ -258,7 +247,6 @@ class LoopCache(Cache):
                     static_mask=to(inputs.static_mask, where),
                     length=inputs.length,
                     source_length=to(inputs.source_length, where),
-                    own_start=to(inputs.own_start, where),
                 )
         return states[str(device)]
 
@@ -376,7 +364,6 @@ class LoopCache(Cache):
             self._length_t = torch.zeros((), dtype=torch.long, device=device)
             self._valid_t = torch.zeros(self.max_batch_size, self.max_cache_len, dtype=torch.bool, device=device)  # type: ignore[arg-type]
             self._source_length_t = torch.zeros(1, dtype=torch.long, device=device)
-            self._own_start_t = torch.zeros((), dtype=torch.long, device=device)
             self._sync_device_length()
         length, q = self.get_seq_length(), query_length
         if length + q > self.max_cache_len:  # type: ignore[operator]
@@ -425,7 +412,6 @@ class LoopCache(Cache):
             static_mask=static_mask(positions, valid) if length > 0 else None,
             length=length,
             source_length=self._source_length_t,
-            own_start=self._own_start_t,
         )
         return inputs, position_ids
 
@@ -459,9 +445,6 @@ class LoopCache(Cache):
         if self._source_length_t is not None:
             last = self.layout.num_loops - 1
             self._source_length_t.fill_(min(self.layer_for(cell).length for cell in self.layout.core_cells(last)))
-        if self._own_start_t is not None:
-            rings = [layer.own_start for layer in self.cells if isinstance(layer, StaticSharedLayer)]
-            self._own_start_t.fill_(max(rings, default=0))  # equal after a rollback; the larger is the safe one
 
     def write_key_valid(self, start: int, valid: torch.Tensor) -> None:
         """A static cache's key validity of positions `[start, start + n)` per row, `valid` `[B, n]` bool on the
@@ -517,11 +500,6 @@ class LoopCache(Cache):
         )
         for layer in shared_first:
             layer.truncate(min(layer.get_seq_length(), length))
-        rings = [layer for layer in self.cells if isinstance(layer, StaticSharedLayer)]
-        if rings:  # one reserve start for every ring, so a forward computes the shared cells' masks once
-            own_start = min(max(layer.own_start for layer in rings), min(layer.length for layer in rings))
-            for layer in rings:
-                layer.set_own_start(own_start)
         self._sync_device_length()
 
     def loop_lengths(self) -> list[int]:
@@ -541,16 +519,11 @@ class LoopCache(Cache):
         for layer in self.cells:
             if hasattr(layer, "rollback"):
                 layer.rollback = max_rollback
-            if isinstance(layer, StaticSharedLayer):
-                capacity = ring_capacity(layer.window, layer.page, max_rollback)
-                if capacity != layer.capacity:
-                    layer.resize(capacity)
-                    self._graphs.clear()  # the captured steps read the old rings
-            elif isinstance(layer, (StaticCodedLayer, StaticCodedSharedLayer)):
+            if isinstance(layer, (StaticCodedLayer, StaticCodedSharedLayer)):
                 old = layer.capacity
                 layer.resize(max_rollback)
                 if layer.capacity != old:
-                    self._graphs.clear()
+                    self._graphs.clear()  # the captured steps read the old rings
         self._sync_device_length()
 
     def reserve(self, max_length: int) -> None:

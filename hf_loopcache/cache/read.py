@@ -83,8 +83,7 @@ class ReadState:
             validity `[B, max_cache_len]` and visibility `[B, 1, q, max_cache_len]`, and its host length before the
             forward (see `AttentionInputs`); None for a growable cache.
         source_length (`torch.LongTensor` of shape `[1]`, *optional*): a static cache's final-loop length on the
-            device (a draft's shared cells read their sources up to it); `own_start` `[]`: the first position its
-            shared cells read from their rings (see `AttentionInputs`).
+            device (a draft's shared cells read their sources up to it).
 
     Attributes:
         effective (`torch.LongTensor` of shape `[B, length + q + 1]` or None): per row, the position each stored
@@ -104,7 +103,6 @@ class ReadState:
     static_mask: torch.Tensor | None = None
     length: int | None = None
     source_length: torch.Tensor | None = None
-    own_start: torch.Tensor | None = None
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-forward values cells share (masks)
 
     @cached_property

@@ -19,7 +19,9 @@ therefore read with the same plane and the same rotary phase as in sequential de
 block pass equals token-by-token decoding (RIPE Proposition 1 needs `W >= gamma`: the block's own earlier tokens lie in
 every block query's window). The deepest-plane cache (`W = 0`) breaks the premise (verification then reads plane `r`
 of earlier block tokens, which sequential decoding reads at plane `R`): allowed, approximate (RIPE Sec. 4, 5.2).
-LoopKV caches run (their pages are coded by storage position, so a page may hold holes) and are approximate too.
+LoopKV caches run (their pages are coded by storage position, so a page may hold holes, left out of its key scales) and
+are approximate too. A static cache gives the tokens of the growable cache with the same plan, batched and captured
+(every static cell, LoopKV's coded and shared cells included, counts boundaries in effective positions on the device).
 """
 
 from __future__ import annotations
@@ -371,12 +373,6 @@ def _speculative_decode(
     b = input_ids.shape[0]
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     draft_kwargs = {**forward_kwargs, **model.draft_kwargs(draft_loops)}
-    if b > 1 and _static_coded(cache):
-        raise ValueError(
-            f"self-speculative decoding over a static cache with coded cells (LoopKV, or shared cells with a sink) "
-            f"runs at batch size 1 only, got batch size {b}: rows that accept different numbers of tokens leave holes, "
-            f"which these cells do not take; use the growable cache (`static=False`) or one row per call"
-        )
     call = model.get_compiled_call(None) if _captures_speculation(cache) and not disable_compile else model
     step = _Step(model, cache, forward_kwargs, draft_kwargs, logits_processor, do_sample, generator, call)
     rows = _Rows(prompt=input_ids, generated=[[] for _ in range(b)], finished=[False] * b)
@@ -424,28 +420,9 @@ def _speculative_decode(
 
 
 def _captures_speculation(cache: Any) -> bool:
-    """Whether drafts and verifications over `cache` replay captured steps: a static cache whose cells are dense or
-    RIPE's shared ring cells. Static coded cells (LoopKV plans, shared cells with a sink) run self-speculation eagerly
-    for now: their captured drafts did not reproduce the eager tokens on the CPU replay check (issue #16)."""
-    if not getattr(cache, "static", False):
-        return False
-    if _static_coded(cache):
-        logger.warning_once(
-            "self-speculative decoding over a static cache with coded cells (LoopKV, or shared cells with a sink) runs "
-            "its drafts and verifications eagerly (not captured)"
-        )
-        return False
-    return True
-
-
-def _static_coded(cache: Any) -> bool:
-    """A static cache with coded cells (LoopKV plans, shared cells with a sink): their read boundaries follow storage
-    positions, so they take no holes (a batch's rejected draft tokens)."""
-    if not getattr(cache, "static", False):
-        return False
-    from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
-
-    return any(isinstance(layer, (StaticCodedLayer, StaticCodedSharedLayer)) for layer in cache.cells)
+    """Whether drafts and verifications over `cache` replay captured steps: a static cache (every plan: its cells
+    read and write by device-side positions, lengths and key validity, holes included)."""
+    return bool(getattr(cache, "static", False))
 
 
 # --------------------------------------------------------------------------------------------- validation

@@ -210,7 +210,8 @@ def test_static_read_methods_agree(monkeypatch, name):
 def test_static_ripe_ring_grows_with_the_rollback_reserve(arch):
     """`set_max_rollback` on a static RIPE cache that holds positions resizes every ring and keeps what it holds:
     decoding on, and cropping within the new reserve, match a growable RIPE cache given the same reserve."""
-    from hf_loopcache.cache.layers.static import StaticSharedLayer, ring_capacity
+    from hf_loopcache.cache.layers.static import ring_capacity
+    from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 
     model = make_model(arch).float()
     ids, mask = _prompt(2, True)
@@ -225,7 +226,7 @@ def test_static_ripe_ring_grows_with_the_rollback_reserve(arch):
         keep = second[:, : cache.get_seq_length() + 1]
         grown = torch.cat([mask, torch.ones(2, keep.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
         outs.append(_generate(model, arch, keep, grown, cache, new=4))
-    rings = [layer for layer in cache.cells if isinstance(layer, StaticSharedLayer)]
+    rings = [layer for layer in cache.cells if isinstance(layer, StaticCodedSharedLayer)]
     assert rings and all(layer.capacity == ring_capacity(3, 1, 4) for layer in rings)
     assert torch.equal(outs[0], outs[1])
 
@@ -284,13 +285,15 @@ def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
     """A row whose window holds holes spans more storage positions than the ring: its real positions the ring no
     longer holds are read from the source (the deepest plane), the rest from the ring; checked against attention
     written out over exactly those keys."""
-    from hf_loopcache.cache.layers.static import StaticDenseLayer, StaticSharedLayer, ring_capacity, static_mask
+    from hf_loopcache.cache.layers.static import StaticDenseLayer, ring_capacity, static_mask
+    from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
     from hf_loopcache.cache.read import ReadState
 
     torch.manual_seed(0)
     heads, dim, t = 2, 4, 20
     source = StaticDenseLayer(1, 32)
-    cell = StaticSharedLayer(source, window=3, page_size=1, capacity=ring_capacity(3, 1, 0), max_batch_size=1)
+    cell = StaticCodedSharedLayer(source, sink=0, window=3, page_size=1, rollback=0, max_batch_size=1, max_cache_len=32)
+    assert cell.capacity == ring_capacity(3, 1, 0) == 5
     src_k, src_v, own_k, own_v = (torch.randn(1, heads, t + 1, dim, dtype=torch.float64) for _ in range(4))
     source.attend(own_k[:, :, :t], src_k[:, :, :t], src_v[:, :, :t], ReadState(key_valid=None, scaling=1.0))
     cell.attend(own_k[:, :, :t], own_k[:, :, :t], own_v[:, :, :t], ReadState(key_valid=None, scaling=1.0))
@@ -301,8 +304,8 @@ def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
     read = ReadState(key_valid=valid, scaling=0.5, positions=positions, static_valid=valid,
                      static_mask=static_mask(positions, valid), length=t)
     out = cell.attend(query, own_k[:, :, t:], own_v[:, :, t:], read)
-    # H = 11 in effective positions: storage 0..10 from the source; the ring (5 positions) holds 16..20, so the
-    # window's real 11 and 14 come from the source too, 17 and 20 from the ring
+    # H = 11 in effective positions: storage 0..10 from the source; the ring (5 positions) holds 15..19 (and the new
+    # token is 20), so the window's real 11 and 14 come from the source too, 17 and 20 from the ring
     keys = torch.cat([src_k[:, :, :16], own_k[:, :, 16:]], dim=2)
     values = torch.cat([src_v[:, :, :16], own_v[:, :, 16:]], dim=2)
     seen = valid[0, : t + 1].clone()

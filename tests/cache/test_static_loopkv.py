@@ -114,6 +114,39 @@ def test_static_codes_are_the_growable_codes(name):
     assert checked == len(static.cells)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["kivi4", "kivi2"])
+def test_static_codes_with_holes_are_the_growable_codes(name):
+    """Batched self-speculation leaves holes (rows accept different numbers of draft tokens): every page the growable
+    cell coded holds the same bytes in the static cell, holes left out of the key pages as the growable cell leaves
+    them out (a hole coded as a real token moves its page's key scales). fp64, a left-padded batch of 3."""
+    model = _model("ouro").double()
+    ids, mask = _prompt(3, True, length=9, seed=1)
+    options = dict(attention_mask=mask, draft_loops=2, block_size=3, max_new_tokens=16, eos_token_id=None,
+                   pad_token_id=0)  # fmt: skip
+    grown, static = _cache(model, name), _cache(model, name, static=True, max_batch_size=3, max_cache_len=80)
+    expected = hf_loopcache.self_speculative_generate(model, ids, cache=grown, **options)
+    assert torch.equal(hf_loopcache.self_speculative_generate(model, ids, cache=static, **options), expected)
+    valid = static._valid_t[:3, : static.get_seq_length()]
+    assert hf_loopcache.cache.read.effective_positions(valid) is not None  # holes
+    checked = 0
+    for g, s in zip(grown.cells, static.cells):
+        s.full_states()  # the pages of the last boundary are coded by the next forward: inspection codes them now
+        keys, values = s._history()
+        held = g.pages.keys()
+        pairs = [
+            (held.codes, keys.codes), (held.scale, keys.scale), (held.zero, keys.zero),
+            (g.pages.values().hi, values.hi), (g.pages.values().scale, values.scale),
+            (g.pages.values().zero, values.zero),
+        ]  # fmt: skip
+        if values.lo is not None:
+            pairs.append((g.pages.values().lo, values.lo))
+        for want, got in pairs:
+            assert torch.equal(got[:, :, : want.shape[2]], want)
+        checked += g.pages.pages
+    assert checked >= 3 * len(static.cells)
+
+
 class _HostReads(TorchDispatchMode):
     """Records every operator a forward runs with its argument shapes, and every read of a device value on the host
     (`.item()`, `int()`, `bool()`, `.tolist()` dispatch `aten._local_scalar_dense`; a boolean index or `nonzero`

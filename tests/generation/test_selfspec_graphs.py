@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, self_speculative_generate
+from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, build_cache, self_speculative_generate
+from hf_loopcache.cache.read import effective_positions
 from tests.helpers import call_kwargs, make_model, stand_in_graphs
 
 GAMMA = 3
@@ -25,6 +26,16 @@ CACHES = {
     "deepest": lambda model, **kw: DeepestPlaneCache(model, **kw),
 }
 EXACT = {"full", "ripe3"}
+
+# LoopKV plans and RIPE with a sink: static coded cells (`StaticCodedLayer`, `StaticCodedSharedLayer`), W >= gamma
+_CODED_OPTIONS = dict(group_size=8, window=4, sink=2, page_size=4)
+CODED = {
+    "kivi4": lambda model, **kw: build_cache(model, "loopkv:kivi4", **_CODED_OPTIONS, **kw),
+    "kivi4-share": lambda model, **kw: build_cache(model, "loopkv:kivi4-share", **_CODED_OPTIONS, **kw),
+    "hand": lambda model, **kw: build_cache(model, "loopkv:hand", **_CODED_OPTIONS, **kw),
+    "ripe3-sink": lambda model, **kw: RIPECache(model, window=GAMMA, sink=2, **kw),
+}
+EVERY = {**CACHES, **CODED}
 
 
 def _batch():
@@ -100,16 +111,17 @@ class _NoHostSync(TorchDispatchMode):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", sorted(CACHES))
+@pytest.mark.parametrize("name", sorted(EVERY))
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
 def test_draft_and_verification_steps_read_no_device_value_on_the_host(monkeypatch, arch, name):
     """The forwards a captured self-speculative block runs (a draft step with `d` loops, a second draft step whose
     deep cells lag, a verification of `gamma + 1` tokens over rows with holes), as the static cache runs them after
-    the prefill: no op reads a device value on the host (`.tolist()` is patched to raise as well). The check fails
-    if, e.g., a verification tests its mask on the host for the unmasked path."""
+    the prefill: no op reads a device value on the host (`.tolist()` is patched to raise as well), over every plan
+    (static coded cells included: their boundaries in effective positions and their page flush are device values).
+    The check fails if, e.g., a verification tests its mask on the host for the unmasked path."""
     model = make_model(arch).float()
     ids, mask = _batch()
-    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=40)
+    cache = EVERY[name](model, static=True, max_batch_size=3, max_cache_len=40)
     cache.set_max_rollback(GAMMA)
     kwargs = call_kwargs(arch)
     draft = model.draft_kwargs(model.loop_layout.num_loops - 1)
@@ -134,6 +146,11 @@ def test_draft_and_verification_steps_read_no_device_value_on_the_host(monkeypat
     with _NoHostSync():
         model(input_ids=ids[:, :GAMMA + 1], attention_mask=new_columns, cache=cache, use_cache=True,
               logits_to_keep=GAMMA + 1, **kwargs)
+    monkeypatch.undo()
+    cache.rollback(n + 2)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    with _NoHostSync():  # a verification block without a mask (a captured block's first call), after the holes
+        model(input_ids=ids[:, :GAMMA + 1], cache=cache, use_cache=True, logits_to_keep=GAMMA + 1, **kwargs)
 
 
 def test_the_no_host_sync_check_catches_a_host_read():
@@ -199,14 +216,14 @@ def test_a_replayed_draft_advances_only_the_cells_it_writes(monkeypatch, arch):
 
 @torch.no_grad()
 def test_a_static_rollback_costs_a_few_device_ops_not_one_per_ring():
-    """Self-speculation rolls the cache back twice a block; a static RIPE cache keeps one device-side ring start for
-    every shared cell (`ReadState.own_start`), so a rollback fills a few scalars, not one per ring (Huginn-0125's
-    shape: 124 rings, 250 launches a block), and decoding after it still reads what sequential decoding reads."""
+    """Self-speculation rolls the cache back twice a block; a static RIPE cache's shared cells read their rings from
+    the device-side length (a crop within the rollback reserve moves no ring bound), so a rollback fills a few
+    scalars, not one per ring (Huginn-0125's shape: 124 rings, 250 launches a block)."""
     model = make_model("huginn", mean_recurrence=8).float()
     ids, mask = _batch()
     cache = RIPECache(model, window=GAMMA, static=True, max_batch_size=3, max_cache_len=64)
     cache.set_max_rollback(GAMMA)
-    rings = sum(1 for layer in cache.cells if type(layer).__name__ == "StaticSharedLayer")
+    rings = sum(1 for layer in cache.cells if type(layer).__name__ == "StaticCodedSharedLayer")
     model(input_ids=ids, attention_mask=mask, cache=cache, **call_kwargs("huginn"))
     for _ in range(3):
         model(input_ids=ids[:, :GAMMA + 1], cache=cache, **call_kwargs("huginn"))
@@ -238,26 +255,82 @@ def test_the_plain_function_decodes_without_autograd(monkeypatch):
     assert seen and not any(seen)
 
 
+def _holes(cache) -> bool:
+    """Whether the static cache's key validity holds a hole (a padded position after a row's first real token)."""
+    return effective_positions(cache._valid_t[: cache.batch_size, : cache.get_seq_length()]) is not None
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("name", sorted(CODED))
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
-def test_static_coded_cells_run_self_speculation_eagerly(monkeypatch, arch):
-    """Static LoopKV cells (and shared cells with a sink) are not captured for self-speculation yet: drafts and
-    verifications run eagerly, with the growable cache's tokens at batch 1; a batch, whose rows leave holes these
-    cells do not take, is refused (it gave other tokens than the growable cache, silently)."""
-    from hf_loopcache import build_cache
+def test_batched_self_speculation_over_static_coded_cells_equals_growable_fp64(monkeypatch, arch, name):
+    """A left-padded batch of 3 whose rows accept different lengths (holes) over static coded cells: eager drafts and
+    verifications, and the same replayed from their recordings (host lengths frozen), give exactly the growable
+    cache's tokens (whose cells count boundaries in effective positions); a reset cache replays without recording."""
+    stand_in_graphs(monkeypatch)
+    model = make_model(arch).double()
+    ids, mask = _batch()
+    growable = _spec(model, arch, CODED[name](model), ids, mask, new=16)
+    cache = CODED[name](model, static=True, max_batch_size=3, max_cache_len=80)
+    eager = _spec(model, arch, cache, ids, mask, new=16, disable_compile=True)
+    assert _holes(cache) and not cache._graphs
+    cache.reset()
+    captured = _spec(model, arch, cache, ids, mask, new=16)
+    kinds = {(key[0], key[1]) for key in cache._graphs}
+    assert (3, 1) in kinds and (3, GAMMA + 1) in kinds
+    replays = sum(entry.graph.replays for entry in cache._graphs.values())
+    assert replays > 10
+    cache.reset()
+    again = _spec(model, arch, cache, ids, mask, new=16)
+    assert sum(entry.graph.replays for entry in cache._graphs.values()) > 2 * replays
+    assert torch.equal(eager, growable)
+    assert torch.equal(captured, growable) and torch.equal(again, growable)
+
+
+@torch.no_grad()
+def test_many_holes_need_several_pages_coded_per_forward_and_a_larger_ring():
+    """A long run with dense holes (batch 4, gamma 4, one draft loop of three, 40 tokens): a row's boundary, counted in
+    its effective positions, then moves over several storage pages in one forward, and a row's window spans up to
+    `gamma + 1` storage positions per real token. With the ring and the pages per forward sized for that
+    (`coded_ring_capacity`, `flush_pages`) the static cache gives the growable cache's tokens; one page a forward, or
+    the ring sized without holes, does not."""
+    from hf_loopcache.cache.layers.static_coded import coded_ring_capacity, flush_pages
+
+    model = make_model("ouro", seed=0).double()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    ids[-1, :3] = 0
+    kw = dict(attention_mask=mask, draft_loops=1, block_size=4, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    growable = self_speculative_generate(model, ids, cache=CODED["kivi4"](model), **kw)
+    cache = CODED["kivi4"](model, static=True, max_batch_size=4, max_cache_len=250)
+    assert torch.equal(self_speculative_generate(model, ids, cache=cache, disable_compile=True, **kw), growable)
+    assert _holes(cache)
+    coded = [layer for layer in cache.cells if hasattr(layer, "qk")]
+    assert coded and all(layer.capacity == coded_ring_capacity(4, 4, 4) for layer in coded)
+    assert flush_pages(4, 4) > 1 and flush_pages(4, 0) == 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["kivi4-share", "hand", "ripe3-sink"])
+@pytest.mark.parametrize("fixture", ["tiny-ouro", "tiny-huginn"])
+def test_batched_self_speculation_over_static_coded_cells_on_trained_fixtures_fp32(monkeypatch, fixture, name):
+    """The shipped (trained) fixtures, fp32, real text, a left-padded batch of three: captured (replayed) drafts and
+    verifications over static coded cells give the growable cache's tokens, with holes in the rows."""
+    from hf_loopcache import load_fixture
 
     stand_in_graphs(monkeypatch)
-    model = make_model(arch).float()
-    ids, mask = _batch()
-    options = dict(group_size=8, window=4, sink=2, page_size=4)
-    cache = build_cache(model, "loopkv:kivi4-share", **options, static=True, max_batch_size=3, max_cache_len=80)
-    with pytest.raises(ValueError, match="at batch size 1 only, got batch size 3"):
-        _spec(model, arch, cache, ids, mask)
-    one, one_mask = ids[:1], mask[:1]
-    growable = _spec(model, arch, build_cache(model, "loopkv:kivi4-share", **options), one, one_mask)
-    cache.reset()
-    eager = _spec(model, arch, cache, one, one_mask, disable_compile=True)
-    cache.reset()
-    assert torch.equal(_spec(model, arch, cache, one, one_mask), eager)
-    assert torch.equal(eager, growable)
-    assert not cache._graphs
+    model, tok = load_fixture(fixture)
+    model = model.float()
+    # Huginn at 4 recurrent steps (a call-time loop count; the caches are built for it) to keep the test short
+    kwargs, loops = ({"init_scale": 0.0, "num_steps": 4}, {"num_loops": 4}) if fixture == "tiny-huginn" else ({}, {})
+    tok.padding_side = "left"
+    enc = tok(["The capital of the old kingdom was", "Once upon a time", "In the"], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    options = dict(max_new_tokens=16, draft_loops=2, block_size=GAMMA, eos_token_id=None, pad_token_id=0, **kwargs)
+    growable = self_speculative_generate(model, ids, attention_mask=mask, cache=CODED[name](model, **loops), **options)
+    cache = CODED[name](model, static=True, max_batch_size=3, max_cache_len=ids.shape[1] + 32, **loops)
+    captured = self_speculative_generate(model, ids, attention_mask=mask, cache=cache, **options)
+    assert cache._graphs and _holes(cache)
+    assert torch.equal(captured, growable)

@@ -18,6 +18,8 @@ MODULES = [
     "tests/ops/test_coded_attention_kernels.py",
     "tests/ops/test_coded_attention_static.py",
     "tests/ops/test_fused_kernels.py",
+    "tests/ops/test_flush_page.py",
+    "tests/cache/test_static_flush_kernel.py",
 ]
 
 

@@ -168,3 +168,169 @@ def _quantize_values_fwd_kernel(
     tl.store(hi_ptr + o_c, b_hi.to(tl.uint8), mask=m_x)
     if NBITS == 4:
         tl.store(lo_ptr + o_c, b_lo.to(tl.uint8), mask=m_x)
+
+
+@triton.jit
+def _flush_key_page(
+    k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, o_m, m_p,
+    stride_kb, stride_kh, stride_kt, stride_kd, stride_mb, stride_mt, stride_cb, stride_ch, stride_ct,
+    stride_sb, stride_sh, stride_sg,
+    D: tl.constexpr, NBITS: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_VALID: tl.constexpr,
+):  # fmt: skip
+    """The key page of row (i_b, i_h): per channel over the page's (valid) positions, as `_quantize_keys_fwd_kernel`."""
+    PER_BYTE: tl.constexpr = 8 // NBITS
+    QMAX: tl.constexpr = 2**NBITS - 1
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < D // PER_BYTE
+    m_x = m_p[:, None] & m_c[None, :]
+    if USE_VALID:
+        b_valid = tl.load(valid_ptr + i_b * stride_mb + o_m * stride_mt, mask=m_p, other=0) != 0  # [BP]
+        m_use = m_x & b_valid[:, None]
+        any_valid = tl.max(b_valid.to(tl.int32), axis=0) > 0
+    else:
+        m_use = m_x
+    p_x = k_ptr + i_b * stride_kb + i_h * stride_kh + b_slot[:, None] * stride_kt
+    b_packed = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.int32)
+    for j in tl.static_range(PER_BYTE):
+        o_d = o_c * PER_BYTE + j
+        b_x = tl.load(p_x + o_d[None, :] * stride_kd, mask=m_x, other=0.0).to(tl.float32)  # [BP, BC]
+        b_mn = tl.min(tl.where(m_use, b_x, float("inf")), axis=0)  # [BC]
+        b_mx = tl.max(tl.where(m_use, b_x, float("-inf")), axis=0)
+        if USE_VALID:
+            b_mn = tl.where(any_valid, b_mn, 0.0)
+            b_mx = tl.where(any_valid, b_mx, 0.0)
+        b_s, b_z = _affine_params(b_mn, b_mx, QMAX)
+        o_s = i_b * stride_sb + i_h * stride_sh + i_p * stride_sg + o_d
+        tl.store(kscale_ptr + o_s, b_s, mask=m_c)
+        tl.store(kzero_ptr + o_s, b_z, mask=m_c)
+        b_q = _encode(b_x, b_s.to(tl.float32)[None, :], b_z.to(tl.float32)[None, :], QMAX)
+        b_packed = b_packed | (b_q << (NBITS * j))
+    o_t = i_p * PAGE + o_p  # [BP] destination token rows
+    p_c = codes_ptr + i_b * stride_cb + i_h * stride_ch + o_t[:, None] * stride_ct + o_c[None, :]
+    tl.store(p_c, b_packed.to(tl.uint8), mask=m_x)
+
+
+@triton.jit
+def _flush_value_page(
+    v_ptr, hi_ptr, lo_ptr, vscale_ptr, vzero_ptr, i_b, i_h, i_p, b_slot, o_p, m_p,
+    stride_vb, stride_vh, stride_vt, stride_vd, stride_hb, stride_hh, stride_ht, stride_wb, stride_wh, stride_wt,
+    D: tl.constexpr, NBITS: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_NG: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The page's values of row (i_b, i_h): per position over groups of GROUP channels, as
+    `_quantize_values_fwd_kernel` ([BP, NG, GROUP // 4] tiles per 2-bit lane j)."""
+    QMAX: tl.constexpr = 2**NBITS - 1
+    o_g = tl.arange(0, BLOCK_NG)
+    o_k = tl.arange(0, BLOCK_K)
+    m_g = o_g < D // GROUP
+    m_x = m_p[:, None, None] & m_g[None, :, None] & (o_k < GROUP // 4)[None, None, :]
+    o_col = o_g[None, :, None] * (GROUP // 4) + o_k[None, None, :]  # [1, NG, K] packed column
+    p_x = v_ptr + i_b * stride_vb + i_h * stride_vh + b_slot[:, None, None] * stride_vt
+    b_mn = tl.full([BLOCK_P, BLOCK_NG], float("inf"), dtype=tl.float32)
+    b_mx = tl.full([BLOCK_P, BLOCK_NG], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(4):
+        b_x = tl.load(p_x + (o_col * 4 + j) * stride_vd, mask=m_x, other=0.0).to(tl.float32)  # [BP, NG, K]
+        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_x, b_x, float("inf")), axis=2))
+        b_mx = tl.maximum(b_mx, tl.max(tl.where(m_x, b_x, float("-inf")), axis=2))
+    m_s = m_p[:, None] & m_g[None, :]
+    b_mn = tl.where(m_s, b_mn, 0.0)
+    b_mx = tl.where(m_s, b_mx, 0.0)
+    b_s, b_z = _affine_params(b_mn, b_mx, QMAX)  # [BP, NG]
+    o_t = i_p * PAGE + o_p  # [BP] destination token rows
+    o_s = i_b * stride_wb + i_h * stride_wh + o_t[:, None] * stride_wt + o_g[None, :]
+    tl.store(vscale_ptr + o_s, b_s, mask=m_s)
+    tl.store(vzero_ptr + o_s, b_z, mask=m_s)
+    b_s32 = b_s.to(tl.float32)[:, :, None]
+    b_z32 = b_z.to(tl.float32)[:, :, None]
+    b_hi = tl.zeros([BLOCK_P, BLOCK_NG, BLOCK_K], dtype=tl.int32)
+    b_lo = tl.zeros([BLOCK_P, BLOCK_NG, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(4):
+        b_x = tl.load(p_x + (o_col * 4 + j) * stride_vd, mask=m_x, other=0.0).to(tl.float32)
+        b_q = _encode(b_x, b_s32, b_z32, QMAX)
+        if NBITS == 4:
+            b_hi = b_hi | ((b_q >> 2) << (2 * j))
+            b_lo = b_lo | ((b_q & 3) << (2 * j))
+        else:
+            b_hi = b_hi | (b_q << (2 * j))
+    o_c = i_b * stride_hb + i_h * stride_hh + o_t[:, None, None] * stride_ht + o_col
+    tl.store(hi_ptr + o_c, b_hi.to(tl.uint8), mask=m_x)
+    if NBITS == 4:
+        tl.store(lo_ptr + o_c, b_lo.to(tl.uint8), mask=m_x)
+
+
+@triton.jit
+def _flush_page_fwd_kernel(
+    k_ptr,
+    v_ptr,
+    slots_ptr,
+    valid_ptr,
+    due_ptr,
+    start_ptr,
+    floor_ptr,
+    page_ptr,
+    codes_ptr,
+    kscale_ptr,
+    kzero_ptr,
+    hi_ptr,
+    lo_ptr,
+    vscale_ptr,
+    vzero_ptr,
+    H,
+    SCRATCH,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    stride_mb,
+    stride_mt,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    stride_sb,
+    stride_sh,
+    stride_sg,
+    stride_hb,
+    stride_hh,
+    stride_ht,
+    stride_wb,
+    stride_wh,
+    stride_wt,
+    D: tl.constexpr,
+    NBITS: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_VALID: tl.constexpr,
+):
+    # one program per (b * h, keys | values, page k of the K): gather the page's PAGE positions from the ring slots,
+    # quantize them, and write the destination page, chosen here from the device-side geometry (the scratch page
+    # SCRATCH when the page is not due or the ring no longer holds it): the same arguments every step, no host read
+    i_bh, i_kv, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    b_due = tl.load(due_ptr + i_k) != 0
+    b_held = tl.load(start_ptr + i_k) >= tl.load(floor_ptr)
+    i_p = tl.where(b_due & b_held, tl.load(page_ptr + i_k), SCRATCH).to(tl.int64)
+    o_p = tl.arange(0, BLOCK_P)
+    m_p = o_p < PAGE
+    o_m = i_k * PAGE + o_p  # [BP] the page's positions among the K * P gathered ones
+    b_slot = tl.load(slots_ptr + o_m, mask=m_p, other=0).to(tl.int64)  # [BP] ring slots of the page's positions
+    if i_kv == 0:
+        _flush_key_page(
+            k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, o_m, m_p,
+            stride_kb, stride_kh, stride_kt, stride_kd, stride_mb, stride_mt, stride_cb, stride_ch, stride_ct,
+            stride_sb, stride_sh, stride_sg, D, NBITS, PAGE, BLOCK_P, BLOCK_C, USE_VALID,
+        )  # fmt: skip
+    else:
+        _flush_value_page(
+            v_ptr, hi_ptr, lo_ptr, vscale_ptr, vzero_ptr, i_b, i_h, i_p, b_slot, o_p, m_p,
+            stride_vb, stride_vh, stride_vt, stride_vd, stride_hb, stride_hh, stride_ht, stride_wb, stride_wh,
+            stride_wt, D, NBITS, PAGE, GROUP, BLOCK_P, BLOCK_NG, BLOCK_K,
+        )  # fmt: skip

@@ -37,6 +37,7 @@ __all__ = [
     "dequantize_values",
     "fake_quantize_keys",
     "fake_quantize_values",
+    "flush_page",
     "kivi_bytes_per_token",
     "pack_codes",
     "quantize_keys",
@@ -729,6 +730,167 @@ def cold_value_error_bound(qv: QuantizedValues) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # byte model
+# ----------------------------------------------------------------------------------------------------------------------
+# the flush of a static cell: one page from a ring into page storage
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _check_index_tensor(t: object, name: str, dtype_kind: str, numel: int, device: torch.device) -> Tensor:
+    ok = isinstance(t, Tensor) and t.numel() == numel and t.ndim <= 1
+    if ok and dtype_kind == "bool":
+        ok = t.dtype == torch.bool  # type: ignore[union-attr]
+    elif ok:
+        ok = t.dtype in (torch.int64, torch.int32)  # type: ignore[union-attr]
+    if not ok:
+        what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        want = "bool" if dtype_kind == "bool" else "int64 / int32"
+        shape = "[] or [1]" if numel == 1 else f"[{numel}]"
+        raise TypeError(f"`{name}` must be a {want} tensor of {numel} element(s) (shape {shape}), got {what}")
+    if t.device != device:  # type: ignore[union-attr]
+        raise ValueError(f"`{name}` is on {t.device} but `ring_key` is on {device}; a kernel reads one device")  # type: ignore[union-attr]
+    return t  # type: ignore[return-value]
+
+
+def _check_flush(
+    ring_key: object,
+    ring_value: object,
+    keys: object,
+    values: object,
+    slots: object,
+    page: object,
+    due: object,
+    start: object,
+    floor: object,
+    scratch_page: object,
+    valid: object,
+) -> None:
+    """Validation of `flush_page` (shapes and dtypes only: nothing is read back from the device)."""
+    ring_key, ring_value = _check_kv(ring_key, "ring_key"), _check_kv(ring_value, "ring_value")
+    if ring_key.shape != ring_value.shape:
+        raise ValueError(
+            f"`ring_key` and `ring_value` must have the same shape [B, H, C, D], got {tuple(ring_key.shape)} and "
+            f"{tuple(ring_value.shape)}"
+        )
+    if not isinstance(keys, QuantizedKeys) or not isinstance(values, QuantizedValues):
+        raise TypeError(
+            f"`keys` / `values` must be QuantizedKeys / QuantizedValues (the page storage), got "
+            f"{type(keys).__name__} / {type(values).__name__}"
+        )
+    if keys.nbits != values.nbits:
+        raise ValueError(f"`keys.nbits` ({keys.nbits}) and `values.nbits` ({values.nbits}) must be equal")
+    if not isinstance(slots, Tensor) or slots.ndim != 1 or slots.dtype not in (torch.int64, torch.int32):
+        got = f"{slots.dtype} {tuple(slots.shape)}" if isinstance(slots, Tensor) else type(slots).__name__
+        raise TypeError(f"`slots` must be a 1-D int64 / int32 tensor of the pages' ring slots [K * P], got {got}")
+    if not isinstance(page, Tensor) or page.numel() < 1:
+        raise TypeError(f"`page` must be a non-empty int64 tensor of the K destination pages, got {page!r}")
+    p, n_pages = keys.group_size, page.numel()
+    if slots.shape[0] != n_pages * p:
+        raise ValueError(
+            f"`slots` holds {slots.shape[0]} positions but {n_pages} page(s) of `keys.group_size` = {p} need "
+            f"{n_pages * p}"
+        )
+    if isinstance(scratch_page, bool) or not isinstance(scratch_page, int) or scratch_page < 0:
+        raise TypeError(f"`scratch_page` must be a non-negative int (the page written when none is due), got {scratch_page!r}")
+    b, h, _, d = ring_key.shape
+    pages = scratch_page + 1
+    want = {
+        "keys.codes": (keys.codes, (h, pages * p, d * keys.nbits // 8)),
+        "keys.scale": (keys.scale, (h, pages, d)),
+        "keys.zero": (keys.zero, (h, pages, d)),
+        "values.hi": (values.hi, (h, pages * p, d // 4)),
+        "values.scale": (values.scale, (h, pages * p, d // values.group_size)),
+        "values.zero": (values.zero, (h, pages * p, d // values.group_size)),
+    }
+    if values.lo is not None:
+        want["values.lo"] = (values.lo, (h, pages * p, d // 4))
+    for name, (t, (heads, rows, width)) in want.items():
+        s = tuple(t.shape)
+        if t.ndim != 4 or s[0] < b or s[1] != heads or s[2] < rows or s[3] != width:
+            raise ValueError(
+                f"`{name}` must hold at least {b} rows, {heads} heads, {rows} token (or page) rows up to the scratch "
+                f"page {scratch_page}, and {width} columns for `ring_key` of shape {tuple(ring_key.shape)}; got {s}"
+            )
+        if t.device != ring_key.device:
+            raise ValueError(f"`{name}` is on {t.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
+    if d % values.group_size:
+        raise ValueError(f"`D` ({d}) must be a multiple of `values.group_size` ({values.group_size})")
+    _check_codes_width(d, _VALUE_PLANE_BITS, "values")
+    _check_codes_width(d, keys.nbits, "keys")
+    if slots.device != ring_key.device:
+        raise ValueError(f"`slots` is on {slots.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
+    for name, t, kind, n in (("page", page, "int", n_pages), ("due", due, "bool", n_pages),
+                             ("start", start, "int", n_pages), ("floor", floor, "int", 1)):  # fmt: skip
+        _check_index_tensor(t, name, kind, n, ring_key.device)
+    if valid is not None:
+        if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+            got = valid.dtype if isinstance(valid, Tensor) else type(valid).__name__
+            raise TypeError(f"`valid` must be a bool tensor of shape [B, P] (True = real token), got {got}")
+        if tuple(valid.shape) != (b, n_pages * p):
+            raise ValueError(f"`valid` must have shape [B, K * P] = {(b, n_pages * p)}, got {tuple(valid.shape)}")
+        if valid.device != ring_key.device:
+            raise ValueError(f"`valid` is on {valid.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
+
+
+def flush_page(
+    ring_key: Tensor,
+    ring_value: Tensor,
+    keys: QuantizedKeys,
+    values: QuantizedValues,
+    *,
+    slots: Tensor,
+    page: Tensor,
+    due: Tensor,
+    start: Tensor,
+    floor: Tensor,
+    scratch_page: int,
+    valid: Tensor | None = None,
+) -> None:
+    """Code `K` pages of positions held in a ring and write them into page storage, in place: the flush of a static
+    coded cell's forward (`hf_loopcache` `StaticCodedLayer.flush`). Reference of `triton_ops.quant.flush_page`.
+
+    Gathers ring slots `slots` of `ring_key` / `ring_value`, quantizes them as `quantize_keys` (pages of
+    `keys.group_size` positions, `valid` leaving padding out of the min/max) and `quantize_values` do, and writes
+    page `k`'s codes, scales and zero points to page `page[k]` of `keys` / `values` when `due[k] and start[k] >=
+    floor`, else to page `scratch_page` (which nobody reads; several pages sent there land in an unspecified order):
+    every call writes the same number of bytes and nothing is read back on the host.
+
+    Args:
+        ring_key, ring_value (`torch.Tensor` of shape `[B, H, C, D]`): the ring (any float dtype, any strides).
+        keys (`QuantizedKeys`): page storage, `codes` `[B', H, N * P, D * nbits // 8]`, `scale` / `zero`
+            `[B', H, N, D]` with `B' >= B`, `N > scratch_page`, `P = keys.group_size`; rows `[0, B)` are written.
+        values (`QuantizedValues`): page storage, `hi` (/ `lo`) `[B', H, N * P, D // 4]`, `scale` / `zero`
+            `[B', H, N * P, D // values.group_size]`; same `nbits` as `keys`.
+        slots (`torch.LongTensor` of shape `[K * P]`): ring slots of the pages' positions, page by page, in position
+            order.
+        page (`torch.LongTensor` of shape `[K]`, or `[]` for one page): the destination pages when due.
+        due (`torch.BoolTensor` of shape `[K]`): whether each page is due.
+        start (`torch.LongTensor` of shape `[K]`), floor (`torch.LongTensor`, one element): each page's first position
+            and the lowest position the ring still holds; a page is written only when `start >= floor`.
+        scratch_page (`int`): the page written instead (a page past the readable ones).
+        valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): key validity of the pages' positions.
+    """
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+    _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+
+
+def _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid) -> None:
+    """`flush_page` without validation: gather, quantize (no finite check: no host read), pick the pages, write."""
+    b, p = ring_key.shape[0], keys.group_size
+    k, v = ring_key.index_select(2, slots), ring_value.index_select(2, slots)
+    qk = quantize_keys(k, keys.nbits, group_size=p, valid=valid, check_finite=False)
+    qv = quantize_values(v, values.nbits, group_size=values.group_size, check_finite=False)
+    dst = torch.where(due & (start >= floor), page, scratch_page).reshape(-1)  # [K]
+    tokens = (dst[:, None] * p + torch.arange(p, device=dst.device)).flatten()  # [K * P]
+    keys.codes[:b].index_copy_(2, tokens, qk.codes)
+    keys.scale[:b].index_copy_(2, dst, qk.scale)
+    keys.zero[:b].index_copy_(2, dst, qk.zero)
+    values.hi[:b].index_copy_(2, tokens, qv.hi)
+    values.scale[:b].index_copy_(2, tokens, qv.scale)
+    values.zero[:b].index_copy_(2, tokens, qv.zero)
+    if qv.lo is not None and values.lo is not None:
+        values.lo[:b].index_copy_(2, tokens, qv.lo)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
-"""Host side of the KIVI quantize kernels: launchers and the public `quantize_keys` / `quantize_values` that dispatch
-to Triton on CUDA tensors and to the pure-torch reference (`naive.py`) everywhere else.
+"""Host side of the KIVI quantize kernels: launchers and the public `quantize_keys` / `quantize_values` /
+`flush_page` that dispatch to Triton on CUDA tensors and to the pure-torch reference (`naive.py`) everywhere else.
 
 Both paths produce the same bytes (codes, fp16 scales and zero points); `tests/ops/test_quant_kernels.py` checks
 it against `naive.py` under `TRITON_INTERPRET=1` on CPU and on the GPU.
@@ -18,13 +18,14 @@ from triton_ops.quant.naive import (
     QuantizedValues,
     _check_codes_width,
     _check_finite_params,
+    _check_flush,
     _check_kv,
     _check_nbits,
     _check_positive_int,
     _check_valid,
 )
 
-__all__ = ["quantize_keys", "quantize_values"]
+__all__ = ["flush_page", "quantize_keys", "quantize_values"]
 
 
 def _quantize_keys_fwd(x: Tensor, nbits: int, group_size: int, valid: Tensor | None) -> QuantizedKeys:
@@ -202,3 +203,153 @@ def quantize_values(
     if check_finite:
         _check_finite_params(qv.scale, qv.zero, "x")
     return qv
+
+
+def _flush_page_fwd(
+    ring_key: Tensor,
+    ring_value: Tensor,
+    keys: QuantizedKeys,
+    values: QuantizedValues,
+    slots: Tensor,
+    page: Tensor,
+    due: Tensor,
+    start: Tensor,
+    floor: Tensor,
+    scratch_page: int,
+    valid: Tensor | None,
+) -> None:
+    """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2, K)` (keys / values of each of the K pages),
+    writing rows `[0, B)` of the page storage in place. The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
+    `lo`, the two key metadata tensors and the two value metadata tensors must share their strides."""
+    from triton_ops.quant.kernels import _flush_page_fwd_kernel
+
+    pairs = [("keys.scale", keys.scale, "keys.zero", keys.zero), ("values.scale", values.scale, "values.zero", values.zero)]
+    if values.lo is not None:
+        pairs.append(("values.hi", values.hi, "values.lo", values.lo))
+    for a, ta, b_, tb in pairs:
+        if ta.stride() != tb.stride():
+            raise ValueError(f"`{a}` and `{b_}` must have the same strides, got {ta.stride()} and {tb.stride()}")
+    for name, t in (("keys.codes", keys.codes), ("keys.scale", keys.scale), ("values.hi", values.hi),
+                    ("values.scale", values.scale)):  # fmt: skip
+        if t.stride(-1) != 1:
+            raise ValueError(f"`{name}` must have unit stride on its last dim, got strides {t.stride()}")
+    b, h, _, d = ring_key.shape
+    p, gs = keys.group_size, values.group_size
+    pages = page.numel()
+    if not b * h:
+        return
+    page, due, start = page.reshape(-1), due.reshape(-1), start.reshape(-1)  # views: [K], contiguous
+    _flush_page_fwd_kernel[(b * h, 2, pages)](
+        k_ptr=ring_key,
+        v_ptr=ring_value,
+        slots_ptr=slots,
+        valid_ptr=valid if valid is not None else slots,  # any pointer; unused without USE_VALID
+        due_ptr=due,
+        start_ptr=start,
+        floor_ptr=floor,
+        page_ptr=page,
+        codes_ptr=keys.codes,
+        kscale_ptr=keys.scale,
+        kzero_ptr=keys.zero,
+        hi_ptr=values.hi,
+        lo_ptr=values.lo if values.lo is not None else values.hi,
+        vscale_ptr=values.scale,
+        vzero_ptr=values.zero,
+        H=h,
+        SCRATCH=scratch_page,
+        stride_kb=ring_key.stride(0),
+        stride_kh=ring_key.stride(1),
+        stride_kt=ring_key.stride(2),
+        stride_kd=ring_key.stride(3),
+        stride_vb=ring_value.stride(0),
+        stride_vh=ring_value.stride(1),
+        stride_vt=ring_value.stride(2),
+        stride_vd=ring_value.stride(3),
+        stride_mb=valid.stride(0) if valid is not None else 0,
+        stride_mt=valid.stride(1) if valid is not None else 0,
+        stride_cb=keys.codes.stride(0),
+        stride_ch=keys.codes.stride(1),
+        stride_ct=keys.codes.stride(2),
+        stride_sb=keys.scale.stride(0),
+        stride_sh=keys.scale.stride(1),
+        stride_sg=keys.scale.stride(2),
+        stride_hb=values.hi.stride(0),
+        stride_hh=values.hi.stride(1),
+        stride_ht=values.hi.stride(2),
+        stride_wb=values.scale.stride(0),
+        stride_wh=values.scale.stride(1),
+        stride_wt=values.scale.stride(2),
+        D=d,
+        NBITS=keys.nbits,
+        PAGE=p,
+        GROUP=gs,
+        BLOCK_P=next_pow2(p),
+        BLOCK_C=next_pow2(d * keys.nbits // 8),
+        BLOCK_NG=next_pow2(d // gs),
+        BLOCK_K=next_pow2(gs // 4),
+        USE_VALID=valid is not None,
+    )
+
+
+def flush_page(
+    ring_key: Tensor,
+    ring_value: Tensor,
+    keys: QuantizedKeys,
+    values: QuantizedValues,
+    *,
+    slots: Tensor,
+    page: Tensor,
+    due: Tensor,
+    start: Tensor,
+    floor: Tensor,
+    scratch_page: int,
+    valid: Tensor | None = None,
+) -> None:
+    """Code `K` pages of a ring into page storage, in place: the flush of a static coded cell's forward. Same contract
+    and bytes as `triton_ops.quant.naive.flush_page` (gather the ring slots, `quantize_keys` over each page with
+    `valid`, `quantize_values`, write page `k` to page `page[k]` when `due[k] and start[k] >= floor`, else to
+    `scratch_page`).
+
+    On CUDA tensors (with Triton) it is **one kernel launch** (`_flush_page_fwd_kernel`, grid `(B * H, 2, K)`) that
+    reads the device-side geometry itself: no host read, no allocation, the same addresses every call, so it can be
+    captured in a CUDA graph. Elsewhere the reference runs (a dozen torch ops). Neither checks finiteness (a host
+    read): the ring must hold finite values within the fp16 range at the page's valid positions.
+
+    Args:
+        ring_key, ring_value (`torch.Tensor` of shape `[B, H, C, D]`): the ring of full-precision positions, fp32 /
+            fp16 / bf16, any strides.
+        keys (`QuantizedKeys`): page storage, `codes` `[B', H, N * P, D * nbits // 8]`, `scale` / `zero`
+            `[B', H, N, D]` (`B' >= B`, `N > scratch_page`, `P = keys.group_size`); rows `[0, B)` are written.
+        values (`QuantizedValues`): page storage, `hi` (/ `lo` for INT4) `[B', H, N * P, D // 4]`, `scale` / `zero`
+            `[B', H, N * P, D // values.group_size]`, the same `nbits` as `keys`.
+        slots (`torch.LongTensor` of shape `[K * P]`): ring slots of the pages' positions, page by page (in position
+            order; a ring wraps, so they need not be consecutive).
+        page (`torch.LongTensor` of shape `[K]`, or `[]` / `[1]` for one page): destination pages when due.
+        due (`torch.BoolTensor` of shape `[K]`): whether each page is due.
+        start (`torch.LongTensor` of shape `[K]`), floor (`torch.LongTensor`, one element): each page's first position,
+            and the lowest position the ring holds; a page below `floor` is not written (it goes to the scratch page).
+        scratch_page (`int`): page written for a page not due (past every page a reader reads; several pages sent
+            there land in an unspecified order).
+        valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): False marks padding positions, left out of the
+            key pages' min / max.
+
+    Example:
+        >>> from triton_ops.quant import QuantizedKeys, QuantizedValues, flush_page
+        >>> ring = torch.randn(1, 2, 40, 64)
+        >>> z = lambda *s, dt=torch.uint8: torch.zeros(*s, dtype=dt)
+        >>> keys = QuantizedKeys(z(1, 2, 96, 32), z(1, 2, 3, 64, dt=torch.float16), z(1, 2, 3, 64, dt=torch.float16), 4, 32)
+        >>> values = QuantizedValues(z(1, 2, 96, 16), z(1, 2, 96, 16), z(1, 2, 96, 2, dt=torch.float16),
+        ...                          z(1, 2, 96, 2, dt=torch.float16), 4, 32)
+        >>> one = lambda v, dt=torch.long: torch.tensor([v], dtype=dt)
+        >>> # sink 16, pages of 32: positions [48, 80) are page 1, in ring slots 8..39 and 0..7
+        >>> flush_page(ring, ring, keys, values, slots=torch.arange(48, 80) % 40, page=one(1),
+        ...            due=one(True, torch.bool), start=one(48), floor=one(16), scratch_page=2)
+        >>> bool(keys.scale[:, :, 1].any())
+        True
+    """
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+    if not use_triton("flush_page", ring_key):
+        naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+        return
+    with launch_device(ring_key):  # the tensor's GPU, not the current one (multi-GPU `device_map`)
+        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)

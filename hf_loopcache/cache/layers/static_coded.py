@@ -1,26 +1,31 @@
-"""Static cells of LoopKV plans: `StaticCodedLayer` (options `int4`, `int2`) and `StaticCodedSharedLayer` (option
-`share` with a sink, or over a coded source), so that a decode step over a LoopKV plan has the same shapes and
-addresses every step and can be captured in a CUDA graph.
+"""Static windowed cells: `StaticCodedLayer` (options `int4`, `int2`) and `StaticCodedSharedLayer` (option `share`:
+RIPE, the deepest plane and LoopKV sharing, over a coded or a BF16 source), so that every forward after the prefill
+over any plan has the same shapes and addresses every time and can be captured in a CUDA graph.
 
 Storage, allocated once for `max_batch_size` rows and `max_cache_len` positions: the BF16 sink `[B, H, S, D]`, a ring
-of `C = W + 2P - 1 + rollback` recent positions at full precision (position `p` in slot `p % C`), and, for a coded
-cell, the codes of every page of `[S, max_cache_len)`. The reading rule is `WindowedLayer`'s: the query at `t` reads
-`[0, S)` from the sink, `[S, H(t))` from the history (its own codes, or its source's codes or BF16 storage) and
-`[H(t), t]` from the ring, `H(t) = S + P * floor(max(0, t - S - W) / P)`, all computed on the device from the forward's
-positions; `triton_ops.coded_attention` reads the cell with device-side lengths (`CellView`).
+of `C` recent positions at full precision (position `p` in slot `p % C`; `coded_ring_capacity`, `ring_capacity`), and,
+for a coded cell, the codes of every page of `[S, max_cache_len)`. The reading rule is `WindowedLayer`'s: the query at
+`t` reads `[0, S)` from the sink, `[S, history_end)` from the history (its own codes, or its source's codes or BF16
+storage) and `[history_end, t]` from the ring, where `history_end` counts, per row, the stored positions whose
+*effective* position (the row's holes left out, `effective_storage`) lies below `H` of the query's effective position,
+`H(e) = S + P * floor(max(0, e - S - W) / P)` (RIPE Eq. 9 for `P = 1`), clipped to what the history can serve: exactly
+the growable cells' boundaries, computed on the device once per forward from its positions and key validity.
+`triton_ops.coded_attention` reads the cell with device-side lengths (`CellView`).
 
-**Page flush inside the step.** A decode step at position `t` first codes the page that ends at `H(t)` (the page the
-query needs last) from the ring, every step: `H` moves by at most one page a step, so every page below `H(t)` was
-coded by an earlier step, and coding a page again from the same positions gives the same codes. The page index is a
-device value, the write an `index_copy_`, and the write is selected away (`torch.where`) while there is no page to
-code yet or the ring no longer holds the page (after a crop deeper than the rollback reserve). So the step has no host
-branch and allocates nothing that depends on the length. The codes equal the growable `CodedLayer`'s: it codes the
-same page, from the same keys and values, right after the write that moves `H`. A shared cell asks its source for that
-page before it reads (once per forward: the source's own attend comes later in the forward).
+**Page flush inside the forward.** Every forward after the prefill (a decode step, a draft, a verification block)
+first codes, from the ring, the `K = flush_pages(P, R)` pages that end at the page boundary at or above its largest
+history end. A forward moves that boundary by at most `K - 1` pages (one page a step without a rollback reserve; with
+holes a row's effective positions span more storage), so every page below was coded by an earlier forward, and coding
+a page again from the same positions and validity gives the same codes. Page indices are device values, the writes
+`index_copy_`, and a page not due (below the sink, or no longer held by the ring, e.g. after a crop deeper than the
+rollback reserve) goes to a scratch page past the last one: no host branch, nothing allocated that depends on the
+length. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
+row) is left out of its page's key scales, as the growable `CodedLayer` codes it; with `W >= gamma` no page is coded
+before its positions' holes are known. A shared cell asks its source for those pages before it reads (once per
+forward: the source's own attend comes later in a complete forward, and never in a draft).
 
-Blocks of several tokens (prefill, verification) and drafts run eagerly with host-side lengths and code what they
-need on the host. Rows with holes (padding after a row's first real token, which batched self-speculative
-verification leaves) are not supported by these cells: their boundaries follow storage positions.
+The prefill and deep crops run on the host (`code_range`, host lengths); nothing after the prefill reads a host length
+or a device value on the host.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_loopcache.attention import dense_attention
-from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage
+from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, effective_storage, ring_capacity
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
 from triton_ops.coded_attention import CellView, coded_attention
-from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values
+from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values, flush_page
 
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
@@ -46,11 +51,33 @@ _CODE_CHUNK_PAGES = 32
 """Pages coded per call on the host path (a prefill): bounds the fp32 transient."""
 
 
+def flush_pages(page_size: int, rollback: int) -> int:
+    """Pages a static coded cell codes per forward: `K = 1` without a rollback reserve (decoding: the boundary moves
+    by at most one page a step), else `ceil((R + P)(R + 1) / P) + 2`. With holes, a row's boundary `H` moves in its
+    effective positions: by up to `R + P` of them in one forward (a verification of `R + 1` tokens), each of which
+    spans up to `R + 1` storage positions (a real token and the holes a rejected draft leaves after it), so the
+    largest boundary over the rows moves by at most `K - 1` storage pages (one more for the page it ends in)."""
+    if rollback == 0:
+        return 1
+    return -(-(rollback + page_size) * (rollback + 1) // page_size) + 2
+
+
 def coded_ring_capacity(window: int, page_size: int, rollback: int) -> int:
-    """Ring slots of a static windowed cell: `W + 2P - 1 + R`. A read at `t` needs `[H(t), t)` (up to `W + P - 1`
-    positions) and the flush of the step the page below `H(t)` (`P` more); a crop of up to `R` positions must find
-    both still held."""
-    return window + 2 * page_size - 1 + rollback
+    """Ring slots of a static coded cell. Without a rollback reserve `W + 2P - 1`: a read at `t` needs `[H(t), t)`
+    (up to `W + P - 1` positions) and the flush of the step the page below `H(t)` (`P` more). With a reserve `R`
+    (self-speculation), rows may hold holes: a row's `W + P - 1` real positions before `t` span up to
+    `(W + P - 1)(R + 1) + R` storage positions, the `K = flush_pages(P, R)` pages coded per forward end within a page
+    of the largest boundary, and a crop of up to `R` positions must find all of it still held:
+    `(W + P - 1)(R + 1) + 2R + (K + 1)P - 1`."""
+    if rollback == 0:
+        return window + 2 * page_size - 1
+    k = flush_pages(page_size, rollback)
+    return (window + page_size - 1) * (rollback + 1) + 2 * rollback + (k + 1) * page_size - 1
+
+
+def page_floor_t(t: torch.Tensor, sink: int, page_size: int) -> torch.Tensor:
+    """`page_floor` of device positions: the page boundary at or below `t` (positions up to the sink are their own)."""
+    return torch.where(t > sink, sink + page_size * ((t - sink).clamp(min=0) // page_size), t)
 
 
 class _StaticWindowed(_StaticStorage):
@@ -63,7 +90,7 @@ class _StaticWindowed(_StaticStorage):
     ) -> None:
         super().__init__()
         self.sink, self.window, self.page, self.rollback = sink, window, page_size, rollback
-        self.capacity = coded_ring_capacity(window, page_size, rollback)
+        self.capacity = self._capacity(rollback)
         self.max_rows, self.max_positions = max_batch_size, max_cache_len
         self.k: torch.Tensor | None = None  # the ring
         self.v: torch.Tensor | None = None
@@ -125,14 +152,14 @@ class _StaticWindowed(_StaticStorage):
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
         ring_k, ring_v = self._views()
-        if self.sink and q == 1:  # the decode step: a short prompt's sink fills here, else the scratch slot takes it
+        if self.sink and self.length == 0:  # the prefill (eager): host slices
+            n = min(self.sink, q)
+            self.sink_k[:rows, :, :n] = key[:, :, :n]  # type: ignore[index]
+            self.sink_v[:rows, :, :n] = value[:, :, :n]  # type: ignore[index]
+        elif self.sink:  # a step or block after it: a short prompt's sink fills here, the scratch slot takes the rest
             slot = positions.clamp(max=self.sink)
             self.sink_k[:rows].index_copy_(2, slot, key.to(self.sink_k.dtype))  # type: ignore[index]
             self.sink_v[:rows].index_copy_(2, slot, value.to(self.sink_v.dtype))  # type: ignore[index]
-        elif self.sink and self.length < self.sink:  # a block (eager): host slices
-            n = min(self.sink, self.length + q) - self.length
-            self.sink_k[:rows, :, self.length : self.length + n] = key[:, :, :n]  # type: ignore[index]
-            self.sink_v[:rows, :, self.length : self.length + n] = value[:, :, :n]  # type: ignore[index]
         if q > self.capacity:  # only the last `capacity` positions stay in the ring
             key, value, positions = key[:, :, -self.capacity :], value[:, :, -self.capacity :], positions[-self.capacity :]
         slots = positions % self.capacity
@@ -165,32 +192,42 @@ class _StaticWindowed(_StaticStorage):
         """Codes or a BF16 plane of every history page `[S, ...)` (fixed shapes)."""
         raise NotImplementedError
 
-    def _geometry(self, read: ReadState, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Device values every windowed cell of the forward with this sink, window, page and ring shares, computed
-        once per forward: `H` of the queries, and the page a decode step flushes (its start, ring slots, page index,
-        whether one is due, the key validity of its positions)."""
-        key = ("static-windowed", self.sink, self.window, self.page, self.capacity, positions.data_ptr())
-        geo = read.memo.get(key)
-        if geo is None:
-            t = positions[:1]
-            h = self.boundary(t)
-            start = (h - self.page).clamp(min=self.sink)
-            pos = start + torch.arange(self.page, device=t.device)
-            valid = read.static_valid
-            geo = read.memo[key] = dict(
-                bounds=self.boundary(positions),
-                start=start,
-                slots=pos % self.capacity,
-                page=(start - self.sink) // self.page,
-                due=(h > self.sink) & (h - self.page >= self.sink),
-                valid=valid if valid is None else valid.index_select(1, pos.clamp(max=valid.shape[1] - 1)),
-            )
-        return geo
+    def _capacity(self, rollback: int) -> int:
+        """Ring slots for a rollback reserve of `rollback` positions."""
+        raise NotImplementedError
 
-    def _view(self, key, value, read, positions, limit: int | None) -> CellView:
-        hist_end = torch.maximum(self._geometry(read, positions)["bounds"], self.floor_t)  # type: ignore[arg-type]
-        if limit is not None:  # eager (a block or a draft): what the history can serve now
-            hist_end = hist_end.clamp(max=max(limit, self.floor))
+    def _row_ends(self, read: ReadState, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, q]`: per row, the stored positions below `length` that the queries at `positions` read from the
+        history, before any clamp: those whose effective position (the row's holes left out, `effective_storage`) is
+        below `H` of the query's effective position, as the growable `WindowedLayer` counts them. Without holes this
+        is `H(t)`. The same for every windowed cell of the forward with this sink, window and page (`read.memo`)."""
+        key = ("static-row-ends", self.sink, self.window, self.page, self.rows, positions.data_ptr())
+        ends = read.memo.get(key)
+        if ends is None:
+            if read.static_valid is None:
+                raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
+            eff_key = ("static-effective", self.rows, read.static_valid.data_ptr())
+            eff = read.memo.get(eff_key)
+            if eff is None:
+                eff = read.memo[eff_key] = effective_storage(read.static_valid[: self.rows])  # [B, L], non-decreasing
+            h = self.boundary(eff.index_select(1, positions))  # [B, q], in effective positions
+            ends = read.memo[key] = torch.minimum(torch.searchsorted(eff, h), positions[:1])
+        return ends
+
+    def _ring_low(self, held: torch.Tensor) -> torch.Tensor:
+        """The oldest position the ring surely holds while the cell holds `held` positions (`[1]`, device): the ring
+        keeps the last `C` positions written, and up to `R` of those may have been cut by a crop since."""
+        return (held - (self.capacity - self.rollback)).clamp(min=0)
+
+    def _history_end(
+        self, read: ReadState, positions: torch.Tensor, limit: torch.Tensor, held: torch.Tensor
+    ) -> torch.Tensor:
+        """`history_end` `[B, q]` of the queries at `positions` (before this cell's `floor`): `_row_ends` clamped, as
+        `WindowedLayer.history_ends` clamps them, to what the history can serve (`limit`, a device value) and never
+        below what the ring no longer holds (`_ring_low` of the `held` positions)."""
+        return torch.maximum(torch.minimum(self._row_ends(read, positions), limit), self._ring_low(held))
+
+    def _view(self, key, value, read, positions, history_end: torch.Tensor) -> CellView:
         hk, hv = self._history()
         rows = self.rows
         sk = self.sink_k[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
@@ -201,7 +238,7 @@ class _StaticWindowed(_StaticStorage):
             new_key=key,
             new_value=value,
             length=positions[:1],
-            history_end=hist_end[None].expand(rows, -1),
+            history_end=history_end,
             sink_key=sk,
             sink_value=sv,
             history_start=self.sink,
@@ -212,11 +249,11 @@ class _StaticWindowed(_StaticStorage):
             key_valid=None if valid is None else valid[:rows],
         )
 
-    def _read(self, query, key, value, read, positions, limit):
+    def _read(self, query, key, value, read, positions, history_end):
         stats = read.v_precision_stats
         out, _ = coded_attention(
             query,
-            self._view(key, value, read, positions, limit),
+            self._view(key, value, read, positions, history_end),
             scaling=read.scaling,
             v_precision_tau=read.v_precision_tau,
             v_precision_stats=None if stats is None or read.v_precision_tau is None else stats.tensor(query.device),
@@ -344,7 +381,7 @@ class _StaticWindowed(_StaticStorage):
 
     def resize(self, rollback: int) -> None:
         """A ring for another rollback reserve, keeping the positions it holds that fit."""
-        capacity = coded_ring_capacity(self.window, self.page, rollback)
+        capacity = self._capacity(rollback)
         self.rollback = rollback
         if capacity == self.capacity:
             return
@@ -401,6 +438,9 @@ class StaticCodedLayer(_StaticWindowed):
     @property
     def option(self) -> str:
         return f"int{self.nbits}"
+
+    def _capacity(self, rollback: int) -> int:
+        return coded_ring_capacity(self.window, self.page, rollback)
 
     def _storage_allocated(self, device: torch.device) -> None:
         super()._storage_allocated(device)
@@ -461,30 +501,19 @@ class StaticCodedLayer(_StaticWindowed):
         return super().stored_bytes() + keys.select_pages(0, pages).nbytes + values.select_tokens(0, coded).nbytes
 
     # ---------------------------------------------------------------- codes
-    def _put(self, page: torch.Tensor | int, qk: QuantizedKeys, qv: QuantizedValues) -> None:
-        """Codes of `qk.num_pages` pages from page `page` (a host int, or a one-element device tensor for one page)."""
+    def _put(self, page: int, qk: QuantizedKeys, qv: QuantizedValues) -> None:
+        """Codes of `qk.num_pages` pages from page `page` (host path; the decode step's flush writes in `flush`)."""
         p = self.page
         own_k, own_v = self._codes(self.num_pages + 1)
-        if isinstance(page, int):
-            n = qk.num_pages
-            t0, t1 = page * p, (page + n) * p
-            own_k.codes[:, :, t0:t1] = qk.codes
-            own_k.scale[:, :, page : page + n] = qk.scale
-            own_k.zero[:, :, page : page + n] = qk.zero
-            pairs = [(own_v.hi, qv.hi), (own_v.scale, qv.scale), (own_v.zero, qv.zero)]
-            pairs += [] if qv.lo is None else [(own_v.lo, qv.lo)]
-            for dst, src in pairs:
-                dst[:, :, t0:t1] = src
-            return
-        tokens = page * p + torch.arange(p, device=page.device)
-        own_k.codes.index_copy_(2, tokens, qk.codes)
-        own_k.scale.index_copy_(2, page, qk.scale)
-        own_k.zero.index_copy_(2, page, qk.zero)
-        own_v.hi.index_copy_(2, tokens, qv.hi)
-        own_v.scale.index_copy_(2, tokens, qv.scale)
-        own_v.zero.index_copy_(2, tokens, qv.zero)
-        if qv.lo is not None and own_v.lo is not None:
-            own_v.lo.index_copy_(2, tokens, qv.lo)
+        n = qk.num_pages
+        t0, t1 = page * p, (page + n) * p
+        own_k.codes[:, :, t0:t1] = qk.codes
+        own_k.scale[:, :, page : page + n] = qk.scale
+        own_k.zero[:, :, page : page + n] = qk.zero
+        pairs = [(own_v.hi, qv.hi), (own_v.scale, qv.scale), (own_v.zero, qv.zero)]
+        pairs += [] if qv.lo is None else [(own_v.lo, qv.lo)]
+        for dst, src in pairs:
+            dst[:, :, t0:t1] = src
 
     def _quantize(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, check_finite: bool = True):
         return quantize_pages(
@@ -492,16 +521,20 @@ class StaticCodedLayer(_StaticWindowed):
         )
 
     def flush(self, read: ReadState, positions: torch.Tensor) -> None:
-        """Code the page ending at `H(t)` (`t = positions[0]`, on the device) from the ring. While `H(t) <= S`, or when
-        the ring does not hold the page (below `floor`), the codes go to the scratch page past the last one, which
-        nothing reads: the step is the same either way."""
+        """Code the forward's `K` pages (`_geometry`: those ending at the page boundary at or above its largest history
+        end) from the ring, on the device. A page not due (below the sink, or no longer held by the ring: below
+        `floor`) goes to the scratch page past the last one, which nothing reads: the forward is the same either way.
+        `triton_ops.quant.flush_page` does it all in one kernel launch on CUDA (gather, quantize, pick the pages,
+        write; the device-side geometry read in the kernel), with the reference's torch ops elsewhere; the bytes are
+        the same."""
         geo = self._geometry(read, positions)
         ring_k, ring_v = self._views()
-        k, v = ring_k.index_select(2, geo["slots"]), ring_v.index_select(2, geo["slots"])
         mask = geo["valid"]
-        qk, qv = self._quantize(k, v, None if mask is None else mask[: self.rows], check_finite=False)
-        page = torch.where(geo["due"] & (geo["start"] >= self.floor_t), geo["page"], self.num_pages)
-        self._put(page, qk, qv)
+        keys, values = self._codes(self.num_pages + 1)
+        flush_page(
+            ring_k, ring_v, keys, values, slots=geo["slots"], page=geo["page"], due=geo["due"], start=geo["start"],
+            floor=self.floor_t, scratch_page=self.num_pages, valid=None if mask is None else mask[: self.rows],
+        )  # fmt: skip
 
     def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
         """Code the pages of `[start, end)` (page aligned) on the host path: positions below `length` from the ring,
@@ -526,26 +559,54 @@ class StaticCodedLayer(_StaticWindowed):
             qk, qv = self._quantize(k, v, mask)
             self._put((a - self.sink) // self.page, qk, qv)
 
-    def prepare(self, read: ReadState, positions: torch.Tensor, q: int, end: int | None = None, new=None) -> None:
-        """Make the codes readable for this forward (once per forward: shared cells call it on their source before
-        their read). Decode step (`end` None, one token, every loop run): `flush` on the device. Otherwise (host):
-        code the pages from the one below `H(length)` up to `end`."""
+    def _held(self, read: ReadState, positions: torch.Tensor) -> torch.Tensor:
+        """Positions this cell holds before the forward's write, on the device (`[1]`): the forward's first position
+        when the forward writes the cell, the cache's final-loop length in a draft that does not (the cell is then a
+        source whose readers run)."""
+        if read.complete or read.length is None or self.length == read.length:
+            return positions[:1]
+        if read.source_length is None:
+            return torch.full((1,), self.length, dtype=torch.long, device=positions.device)
+        return read.source_length
+
+    def _geometry(self, read: ReadState, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Device values of one forward for this cell's reads and its flush, shared by every coded cell with the same
+        sink, window, page, ring and holding (`read.memo`): `hist` (`_history_end` `[B, q]` with the limit
+        `page_floor(held)`), and the `K = flush_pages(P, R)` pages that end at the page boundary at or above the
+        largest `hist` (`target`): their starts, ring slots, page indices, whether each is due (a page of the history
+        the ring still holds) and the key validity of their positions."""
+        held = self._held(read, positions)
+        key = ("static-coded-geometry", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
+               positions.data_ptr(), held.data_ptr())  # fmt: skip
+        geo = read.memo.get(key)
+        if geo is None:
+            limit = page_floor_t(held, self.sink, self.page)
+            hist = self._history_end(read, positions, limit, held)  # [B, q]
+            pages = torch.div(hist.amax() - self.sink + self.page - 1, self.page, rounding_mode="floor")
+            target = self.sink + self.page * pages.clamp(min=0)  # the page boundary at or above the largest end
+            k = flush_pages(self.page, self.rollback)
+            start = target - self.page * torch.arange(k, 0, -1, device=positions.device)  # [K], ascending
+            pos = (start[:, None] + torch.arange(self.page, device=positions.device)).flatten()  # [K * P]
+            valid = read.static_valid
+            geo = read.memo[key] = dict(
+                hist=hist,
+                start=start,
+                slots=pos % self.capacity,
+                page=((start - self.sink) // self.page).clamp(min=0),
+                due=(start >= self.sink) & (start >= self._ring_low(held)),
+                valid=valid if valid is None else valid.index_select(1, pos.clamp(min=0, max=valid.shape[1] - 1)),
+            )
+        return geo
+
+    def prepare(self, read: ReadState, positions: torch.Tensor) -> None:
+        """Make the codes readable for this forward, on the device (once per forward: shared cells call it on their
+        source before their read): `flush` the `K` pages below the largest history end of the forward's queries.
+        Every page below those was coded by an earlier forward (the boundary moves by at most `K - 1` pages a
+        forward, `flush_pages`), and coding a page again gives the same codes."""
         key = ("static-coded-flush", id(self))
-        done = read.memo.get(key)
-        if end is None and q == 1 and read.complete:
-            if done is None:
-                self.flush(read, positions)
-                read.memo[key] = -1
-            return
-        if end is None:
-            end = window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
-        first = max(self.sink, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page)
-                    - self.page, self.floor)  # fmt: skip
-        if done is not None and done != -1:
-            first = max(first, done)
-        if end > first:
-            self.code_range(first, end, read.static_valid, new)
-            read.memo[key] = end
+        if key not in read.memo:
+            self.flush(read, positions)
+            read.memo[key] = True
 
     # ---------------------------------------------------------------- read and write
     def attend(self, query, key, value, read):
@@ -562,13 +623,11 @@ class StaticCodedLayer(_StaticWindowed):
                 self.code_range(self.sink, h, read.static_valid if read.key_valid is not None else None, (key, value))
                 self.length = n
             return out
-        self.prepare(read, positions, q, new=(key, value))
-        out = self._read(query, key, value, read, positions, None if q == 1 and read.complete else self._limit(q))
+        self.prepare(read, positions)
+        hist = torch.maximum(self._geometry(read, positions)["hist"], self.floor_t)  # type: ignore[arg-type]
+        out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
-
-    def _limit(self, q: int) -> int:
-        return window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
 
     def _code_for(self, end: int) -> int:
         first = max(self.sink, window_boundary(self.length, sink=self.sink, window=self.window, page_size=self.page)
@@ -600,13 +659,15 @@ class StaticCodedLayer(_StaticWindowed):
 
 
 class StaticCodedSharedLayer(_StaticWindowed):
-    """A shared cell (option `share`) of a static cache with a sink or over a coded source: its own sink and ring,
+    """A shared cell (option `share`) of a static cache: its own sink (if the plan has one) and ring,
     its history read from the source's storage in place (a `StaticCodedLayer`'s codes, or a `StaticDenseLayer`'s
     BF16 buffer), through `coded_attention` with device-side lengths. It stores no history of its own. Before its
     read it has the source code the page it needs (`StaticCodedLayer.prepare`, once per forward).
 
     In a draft (`ReadState.draft_loops`) the source is not written; the cell reads the history up to what the source
-    holds and the rest from its ring (drafts run eagerly).
+    holds (the cache's device-side final-loop length, `ReadState.source_length`) and the rest from its ring. A RIPE
+    shared cell reads its BF16 source in place this way (no copy of the source per step); a row position its ring no
+    longer holds (holes spanning more than the ring, a crop deeper than the reserve) is read from the source.
 
     Args:
         source (`StaticCodedLayer` or `StaticDenseLayer`): the final loop's cell of the same layer.
@@ -649,6 +710,9 @@ class StaticCodedSharedLayer(_StaticWindowed):
             return self.source.readable_limit()
         return self.source.length
 
+    def _capacity(self, rollback: int) -> int:
+        return ring_capacity(self.window, self.page, rollback)
+
     def attend(self, query, key, value, read):
         if not self.is_initialized or self.length == 0:
             self.lazy_initialization(key, value)
@@ -656,20 +720,34 @@ class StaticCodedSharedLayer(_StaticWindowed):
         positions = self._positions(q, read)
         if self.length == 0:
             return self._prefill(query, key, value, read, positions)
-        limit = None
-        if q == 1 and read.complete:  # the decode step: the source codes the page ending at H(t) on the device
-            if isinstance(self.source, StaticCodedLayer):
-                self.source.prepare(read, positions, q)
-        else:
-            limit = min(self._limit(q), self._source_limit())
-            if isinstance(self.source, StaticCodedLayer):
-                self.source.prepare(read, positions, q, end=limit)
-        out = self._read(query, key, value, read, positions, limit)
+        coded = isinstance(self.source, StaticCodedLayer)
+        if coded:
+            self.source.prepare(read, positions)  # the source codes the pages its readers need
+        hist = torch.maximum(self._hist(read, positions, coded), self.floor_t)  # type: ignore[arg-type]
+        out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
 
-    def _limit(self, q: int) -> int:
-        return window_boundary(self.length + q - 1, sink=self.sink, window=self.window, page_size=self.page)
+    def _hist(self, read: ReadState, positions: torch.Tensor, coded: bool) -> torch.Tensor:
+        """`_history_end` of the forward's queries (before `floor`), the same for every shared cell of the forward with
+        this sink, window, page, ring and kind of source (`read.memo`). The history can serve what the source holds,
+        on the device: all `length` positions in a complete forward (it is written later in it), its own in a draft
+        (the cache's final-loop length, so a captured draft reads no host length); page aligned for codes."""
+        key = ("static-shared-hist", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
+               positions.data_ptr(), read.complete, coded)  # fmt: skip
+        hist = read.memo.get(key)
+        if hist is None:
+            if read.complete:
+                held = positions[:1]
+            elif read.source_length is not None:
+                held = read.source_length
+            else:
+                held = torch.full((1,), self.source.length, dtype=torch.long, device=positions.device)
+            if coded:
+                held = page_floor_t(held, self.sink, self.page)
+            limit = torch.minimum(held, positions[:1])
+            hist = read.memo[key] = self._history_end(read, positions, limit, positions[:1])
+        return hist
 
     def _code_for(self, end: int) -> int:
         end = min(end, self._source_limit())

@@ -169,6 +169,9 @@ class WindowedLayer(LoopLayerBase):
     def attend(self, query, key, value, read):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
+        # the forward's key validity before its read: a page coded for the read (`ensure_codes`) leaves out the holes
+        # a verification made since this cell's last write (a deep cell is not written by the drafts in between)
+        self._track_valid(read, self.length + key.shape[2])
         if self.length == 0:  # nothing cached: plain causal attention over the new tokens (as every cell computes it)
             out = dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
         else:
@@ -190,13 +193,7 @@ class WindowedLayer(LoopLayerBase):
             self.lazy_initialization(key, value)
         n, q = self.length, key.shape[2]
         new_len = n + q
-        if read.key_valid is not None:  # one copy per forward, which every cell of it keeps (never written in place)
-            memo_key = f"windowed-valid {new_len} {read.key_valid.device}"  # str keys: the cache stays a pytree
-            if memo_key not in read.memo:
-                read.memo[memo_key] = read.key_valid[:, :new_len].clone()
-            self._valid = read.memo[memo_key]
-        elif self._valid is not None:
-            self._valid = torch.cat([self._valid[:, :n], self._valid.new_ones(self._valid.shape[0], q)], dim=1)
+        self._track_valid(read, new_len)
         n_sink = max(0, min(self.sink, new_len) - n)
         if n_sink:
             self.sink_buf.append(key[:, :, :n_sink], value[:, :, :n_sink])
@@ -208,6 +205,17 @@ class WindowedLayer(LoopLayerBase):
             skip = max(0, keep - first)
             self.recent.append(key[:, :, skip:], value[:, :, skip:])
         self.length = new_len
+
+    def _track_valid(self, read: ReadState, new_len: int) -> None:
+        """Keep the key validity of positions `[0, new_len)` (this forward's, which covers its new positions)."""
+        n = self.length
+        if read.key_valid is not None:  # one copy per forward, which every cell of it keeps (never written in place)
+            memo_key = f"windowed-valid {new_len} {read.key_valid.device}"  # str keys: the cache stays a pytree
+            if memo_key not in read.memo:
+                read.memo[memo_key] = read.key_valid[:, :new_len].clone()
+            self._valid = read.memo[memo_key]
+        elif self._valid is not None and self._valid.shape[1] < new_len:
+            self._valid = torch.cat([self._valid[:, :n], self._valid.new_ones(self._valid.shape[0], new_len - n)], dim=1)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Plain path for foreign models: every position as the last new token reads it (cached positions by the
