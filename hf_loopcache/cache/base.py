@@ -282,9 +282,18 @@ class LoopCache(Cache):
         self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
     ) -> torch.Tensor:
         """Attention of the new tokens of cell `slot` over its stored history and themselves; stores the new keys and
-        values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`."""
+        values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`. Into an empty growable
+        cell (a prefill) `query` may hold only the last `p < q` new tokens' queries (the last query piece of a long
+        prefill, `hf_loopcache.models._common.attention_half`): every new key and value is stored, `[B, H_q, p, D]`
+        is returned."""
         self._check_states(key)
         layer = self._cell_on(slot, key)
+        if query.shape[2] != key.shape[2] and (self.static or layer.get_seq_length() != 0):
+            raise ValueError(
+                f"`query` holds {query.shape[2]} tokens but `key` {key.shape[2]}: only a prefill into an empty growable "
+                f"cell may pass the queries of its last new tokens alone (cell {self.layout.cell_at(self._flat(slot))} "
+                f"holds {layer.get_seq_length()} positions)"
+            )
         return layer.attend(query, key, value, self.read_state(inputs, key.device))
 
     def update(

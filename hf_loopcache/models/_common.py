@@ -20,15 +20,18 @@ if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
 
 __all__ = [
+    "MIN_QUERY_PIECE",
     "TOKEN_CHUNK",
     "LoopForward",
     "LoopGenerationMixin",
     "OutputFlags",
     "RMSNorm",
     "STACK_TOKENS",
+    "attention_half",
     "by_token_chunks",
     "check_num_loops",
     "default_cache",
+    "rope_span",
     "stacked_linear",
     "stacked_projection",
 ]
@@ -54,29 +57,111 @@ class RMSNorm(nn.Module):
 
 
 TOKEN_CHUNK = 4096
-"""Tokens per piece of a layer's token-wise half (norm, MLP, norm, residual) in a forward of more tokens (rows x
-positions) than this: see `by_token_chunks`."""
+"""Tokens (rows x positions) per piece of a forward of more tokens than this: the token-wise half of a layer (norm,
+MLP, norm, residual; `by_token_chunks`) and the queries of a prefill's attention half (`attention_half`)."""
+
+MIN_QUERY_PIECE = 64
+"""Fewest positions per query piece of `attention_half` (a batch of more than `TOKEN_CHUNK / 64` rows takes pieces of
+64 positions of every row rather than ever shorter ones)."""
 
 
-def by_token_chunks(fn: Any, x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an `fn` that acts on each token alone (`[..., hidden]` in and out), computed `TOKEN_CHUNK` tokens
-    at a time into one output. A long prefill then holds one piece's intermediates instead of the whole prompt's (the
-    MLP's `3 x intermediate` per token: 11 hidden states of every prompt token on Ouro-1.4B, 96 MiB per 8K row in
-    bf16 of each); the math of every token is unchanged. The pieces depend on the shape only (never on free memory);
-    a decode step (fewer tokens) is one piece."""
+def by_token_chunks(fn: Any, *xs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fn(*xs)` for an `fn` that acts on each token alone (`[B, T, ...]` in, `[B, T, ...]` out), computed
+    `TOKEN_CHUNK` tokens at a time into one output. A long prefill then holds one piece's intermediates instead of the
+    whole prompt's (the MLP's `3 x intermediate` per token: 11 hidden states of every prompt token on Ouro-1.4B, 96 MiB
+    per 8K row in bf16 of each); the math of every token is unchanged. The pieces depend on the shape only (never on
+    free memory); a decode step (fewer tokens) is one piece.
+
+    `out` (`[B, T, ...]`, *optional*): the tensor the pieces are written into, which may be an input (each piece is
+    computed before it is written): the caller's own temporary, so the token-wise half holds no second copy of it. It
+    is used only when pieces are taken and no gradient flows through it (an in-place write would break autograd)."""
+    x = xs[0]
     b, t = x.shape[:2]
     chunk = TOKEN_CHUNK
     if b * t <= chunk:
-        return fn(x)
-    flat = x.reshape(b * t, *x.shape[2:])
-    out: torch.Tensor | None = None
+        return fn(*xs)
+    flats = [y.reshape(b * t, *y.shape[2:]) for y in xs]
+    if out is not None and (torch.is_grad_enabled() and out.requires_grad or not out.is_contiguous()):
+        out = None
+    flat_out = None if out is None else out.view(b * t, *out.shape[2:])
     for a in range(0, b * t, chunk):
-        piece = fn(flat[a : a + chunk][None])[0]
-        if out is None:
-            out = piece.new_empty((b * t, *piece.shape[1:]))
-        out[a : a + chunk] = piece
+        piece = fn(*(y[a : a + chunk][None] for y in flats))[0]
+        if flat_out is None:
+            flat_out = piece.new_empty((b * t, *piece.shape[1:]))
+        flat_out[a : a + chunk] = piece
         del piece
-    return cast("torch.Tensor", out).view(b, t, *out.shape[1:])  # type: ignore[union-attr]
+    return cast("torch.Tensor", flat_out).view(b, t, *flat_out.shape[1:])  # type: ignore[union-attr]
+
+
+def attention_half(
+    state: LoopForward,
+    slot: int,
+    x: torch.Tensor,
+    project: Any,
+    finish: Any,
+) -> torch.Tensor:
+    """The attention half of a layer call, `finish(attention(project(x)), x)`, over query pieces in a long prefill.
+
+    Args:
+        state (`LoopForward`): the forward's state (`state.query_piece` decides whether pieces are taken).
+        slot (`int`): the cell the layer call writes.
+        x (`torch.Tensor` of shape `[B, T, hidden]`): the layer's input.
+        project: `project(x_piece, start, end) -> (q, k, v)`: the queries `[B, H_q, p, D]`, keys and values
+            `[B, H_kv, p, D]` of positions `[start, end)` of the new tokens (norm, projections and RoPE).
+        finish: `finish(o, x_piece) -> [B, p, hidden]`: the output projection of the heads' outputs `o` `[B, p, H_q *
+            D]`, and the norm and residual with the layer's input.
+
+    In one call (a decode step, a short prompt, a block after cached positions) this is the plain composition. In a
+    long prefill (`LoopForward.query_piece`) the queries run `p` positions of every row at a time (about `TOKEN_CHUNK`
+    tokens): each piece's keys and values are written into the whole prompt's (which the cell needs once: every loop
+    computes its own for the whole prompt), its queries attend over the keys up to its end, and its output projection,
+    norm and residual are written into the output. So the layer call holds the input, the output, and the prompt's
+    keys and values for every row, plus one piece's temporaries (normed input, q, RoPE, attention output, projection)
+    that do not grow with the batch; before, all of these were held for every row at once (7 hidden states per token
+    on Ouro-1.4B's shape, 224 MiB per 8K row). The last piece goes through the cell (`LoopForward.attend`), which
+    stores every new key and value, as a one-call prefill stores them. The attention of every query is the same
+    causal attention over the same keys, so the result is the one-call result up to the kernels' summation order.
+    """
+    b, t = x.shape[:2]
+    span = state.query_piece(slot, b, t)
+    if span is None:
+        q, k, v = project(x, 0, t)
+        o = state.attend(slot, q, k, v)
+        del q, k, v
+        o = o.transpose(1, 2).reshape(b, t, -1)
+        return finish(o, x)
+    keys = values = out = None
+    for a in range(0, t, span):
+        e = min(a + span, t)
+        q, k, v = project(x[:, a:e], a, e)
+        if keys is None or values is None:
+            keys = k.new_empty(b, k.shape[1], t, k.shape[3])
+            values = v.new_empty(b, v.shape[1], t, v.shape[3])
+        keys[:, :, a:e] = k
+        values[:, :, a:e] = v
+        del k, v
+        if e < t:  # the keys up to the piece's end, at full precision, as a one-call prefill reads them
+            inputs = state.inputs
+            o = dense_attention(q, keys[:, :, :e], values[:, :, :e], key_valid=inputs.key_valid, scaling=inputs.scaling)
+        else:  # the cell stores the prompt's keys and values and attends the last piece over them
+            o = state.attend(slot, q, keys, values)
+        del q
+        o = o.transpose(1, 2).reshape(b, e - a, -1)
+        piece = finish(o, x[:, a:e])
+        del o
+        if out is None:
+            out = piece.new_empty(b, t, *piece.shape[2:])
+        out[:, a:e] = piece
+        del piece
+    return cast("torch.Tensor", out)
+
+
+def rope_span(rope: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[torch.Tensor, ...]:
+    """The RoPE tables (`[B, q, ...]` each) of new positions `[start, end)`: views, or the tables themselves when the
+    span is all of them (a decode step slices nothing)."""
+    if start == 0 and end == rope[0].shape[1]:
+        return rope
+    return tuple(t[:, start:end] for t in rope)
 
 
 STACK_TOKENS = 256
@@ -228,7 +313,33 @@ class LoopForward:
         inputs = AttentionInputs(key_valid=key_valid, scaling=scaling)
         return cls(cache, inputs, layout, [] if output_attentions else None), position_ids
 
+    def query_piece(self, slot: int, batch: int, length: int) -> int | None:
+        """Positions per query piece of `attention_half` for `length` new tokens in `batch` rows written into cell
+        `slot`, or None for one call.
+
+        Pieces are taken when the forward has more tokens than `TOKEN_CHUNK` and every key a query reads is a new one
+        at full precision: no cache, or a growable loop cache whose cell is empty (a prefill; a cell's attention over
+        nothing cached is causal attention over the new keys and values), without attention maps, gradients or
+        tracing. A piece is `TOKEN_CHUNK // batch` positions (at least `MIN_QUERY_PIECE`): a function of the shape
+        only, never of free memory. Decode steps, short prompts and blocks after cached positions are one call."""
+        if batch * length <= TOKEN_CHUNK or self.attentions is not None or torch.is_grad_enabled():
+            return None
+        span = max(MIN_QUERY_PIECE, TOKEN_CHUNK // batch)
+        if length <= span or torch.compiler.is_compiling():
+            return None
+        cache = self.cache
+        if cache is not None and (
+            not getattr(cache, "is_loop_cache", False)
+            or getattr(cache, "static", False)
+            or cache.get_seq_length(self.layout.slot_to_flat(slot)) != 0
+        ):
+            return None
+        return span
+
     def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention of the new tokens' queries over cell `slot`'s stored keys and the new keys and values (which the
+        cell stores). `query` `[B, H_q, p, D]`, `key` / `value` `[B, H_kv, q, D]`; `p < q` only in a prefill into an
+        empty cell (the last query piece of `attention_half`: the queries of the last `p` new tokens)."""
         if self.cache is None:
             if self.attentions is not None:
                 return self._eager(query, key, value)

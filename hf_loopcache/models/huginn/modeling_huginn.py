@@ -39,9 +39,11 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
+    attention_half,
     by_token_chunks,
     check_num_loops,
     default_cache,
+    rope_span,
 )
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
 from triton_ops import fused
@@ -58,6 +60,9 @@ def _rope_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> tupl
 
 
 class CausalSelfAttention(nn.Module):
+    """The projections of Huginn's attention; the block runs them through `attention_half` (query pieces in a long
+    prefill, one call otherwise), the attention itself through the cell (`LoopForward.attend`)."""
+
     def __init__(self, config: HuginnConfig):
         super().__init__()
         self.n_head = config.n_heads
@@ -69,20 +74,21 @@ class CausalSelfAttention(nn.Module):
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.n_head, self.head_dim))
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `[B, H, q, D]`, keys and values `[B, H_kv, q, D]` of the normed input `x` `[B, q, n_embd]`: the
+        fused projection, the learned bias and the pair-wise RoPE (`cos` / `sin` fp32 `[B, q, 1, D/2]`)."""
         b, q_len, _ = x.shape
         q, k, v = self.Wqkv(x).split(self.chunks, dim=2)
         q = q.view(b, q_len, self.n_head, self.head_dim)
         k = k.view(b, q_len, self.n_kv_heads, self.head_dim)
         v = v.view(b, q_len, self.n_kv_heads, self.head_dim)
         q_bias, k_bias = self.qk_bias.split(1, dim=0) if hasattr(self, "qk_bias") else (None, None)
-        q, k = fused.rotate_pairs(q, *rope, bias=q_bias), fused.rotate_pairs(k, *rope, bias=k_bias)
+        q, k = fused.rotate_pairs(q, cos, sin, bias=q_bias), fused.rotate_pairs(k, cos, sin, bias=k_bias)
         if q_len > 1:  # own the values, so the fused projection's output (3 hidden states a token) is freed here
             v = v.contiguous()
-        y = state.attend(slot, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.proj(y.transpose(1, 2).reshape(b, q_len, -1))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 class GatedMLP(nn.Module):
@@ -110,8 +116,20 @@ class SandwichBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
-        x = self.norm_2(self.attn(self.norm_1(x), rope, state, slot), add_before=x)
-        return by_token_chunks(lambda h: self.norm_4(self.mlp(self.norm_3(h)), add_before=h), x)
+        attn = self.attn
+        h = attention_half(
+            state,
+            slot,
+            x,
+            lambda piece, a, e: attn.project(self.norm_1(piece), *rope_span(rope, a, e)),
+            lambda o, piece: self.norm_2(attn.proj(o), add_before=piece),
+        )
+        return by_token_chunks(lambda t: self.norm_4(self.mlp(self.norm_3(t)), add_before=t), h, out=h)
+
+
+def _adapt(adapter: nn.Module) -> Any:
+    """The core step's input: `adapter([state, injected])` for each token."""
+    return lambda state, injected: adapter(torch.cat([state, injected], dim=-1))
 
 
 class HuginnPreTrainedModel(PreTrainedModel):
@@ -363,7 +381,8 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         injected = embeds  # the prelude's output, copied once to the adapter's device when a device_map splits them
         for step in range(steps_no_grad + steps_with_grad):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= steps_no_grad):
-                x = self._part("adapter")(torch.cat([x.to(injected.device), injected], dim=-1))
+                # token by token in pieces: the concatenation holds two hidden states a token
+                x = by_token_chunks(_adapt(self._part("adapter")), x.to(injected.device), injected)
                 adapter_device = x.device
                 for j, block in enumerate(self._part("core_block")):
                     x = block(x, rope, state, n_pre + n_core * step + j)
@@ -371,13 +390,14 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
                         all_hidden.append(x)
             if injected.device != adapter_device:  # the adapter runs elsewhere: later steps meet it there
                 injected = embeds.to(adapter_device)  # (in the caller's grad mode: the prelude still gets gradients)
-        x = self._part("ln_f")(x)
+        del injected, embeds  # the coda reads neither (`hidden_states` keeps its own reference)
+        x = by_token_chunks(self._part("ln_f"), x)  # in pieces: the eager norm's fp32 copies are per piece
         latent_states = x.clone().detach()
         for c, block in enumerate(self._part("coda")):
             x = block(x, rope, state, -(c + 1))
             if all_hidden is not None:
                 all_hidden.append(x)
-        x = self._part("ln_f")(x)
+        x = by_token_chunks(self._part("ln_f"), x)
         if all_hidden is not None:
             all_hidden[-1] = x
 

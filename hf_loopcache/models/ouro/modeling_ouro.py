@@ -33,9 +33,11 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
+    attention_half,
     by_token_chunks,
     check_num_loops,
     default_cache,
+    rope_span,
     stacked_linear,
     stacked_projection,
 )
@@ -81,6 +83,9 @@ class OuroMLP(nn.Module):
 
 
 class OuroAttention(nn.Module):
+    """The projections of Ouro's attention; the decoder layer runs them through `attention_half` (query pieces in a
+    long prefill, one call otherwise), the attention itself through the cell (`LoopForward.attend`)."""
+
     def __init__(self, config: OuroConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -92,26 +97,27 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `[B, H, q, D]`, keys and values `[B, H_kv, q, D]` of the normed input `x` `[B, q, hidden]`, RoPE
+        (`cos` / `sin` `[B, q, D]`) applied to queries and keys."""
         b, q_len, _ = x.shape
         d, hq, hk = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = stacked_projection(self, ("q_proj", "k_proj", "v_proj"), x)
         if qkv is not None:  # a short input: one GEMM, and queries and keys rotated by one launch
-            cos, sin = rope[0].to(qkv.dtype), rope[1].to(qkv.dtype)
+            cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
             qk = fused.rotate_half(qkv[..., : (hq + hk) * d].view(b, q_len, hq + hk, d), cos, sin)
             query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
             value = qkv[..., (hq + hk) * d :].view(b, q_len, hk, d).transpose(1, 2)
-        else:
-            query = self.q_proj(x).view(b, q_len, -1, d)
-            key = self.k_proj(x).view(b, q_len, -1, d)
-            value = self.v_proj(x).view(b, q_len, -1, d).transpose(1, 2)
-            cos, sin = rope[0].to(query.dtype), rope[1].to(query.dtype)
-            query = fused.rotate_half(query, cos, sin).transpose(1, 2)
-            key = fused.rotate_half(key, cos, sin).transpose(1, 2)
-        out = state.attend(slot, query, key, value)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+            return query, key, value
+        query = self.q_proj(x).view(b, q_len, -1, d)
+        key = self.k_proj(x).view(b, q_len, -1, d)
+        value = self.v_proj(x).view(b, q_len, -1, d).transpose(1, 2)
+        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+        query = fused.rotate_half(query, cos, sin).transpose(1, 2)
+        key = fused.rotate_half(key, cos, sin).transpose(1, 2)
+        return query, key, value
 
 
 class OuroDecoderLayer(nn.Module):
@@ -127,9 +133,16 @@ class OuroDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
-        x = self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, state, slot), add_after=x)
+        attn = self.self_attn
+        h = attention_half(
+            state,
+            slot,
+            x,
+            lambda piece, a, e: attn.project(self.input_layernorm(piece), *rope_span(rope, a, e)),
+            lambda o, piece: self.input_layernorm_2(attn.o_proj(o), add_after=piece),
+        )
         return by_token_chunks(
-            lambda h: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)), add_after=h), x
+            lambda t: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(t)), add_after=t), h, out=h
         )
 
 
@@ -256,7 +269,7 @@ class OuroModel(OuroPreTrainedModel):
                 hidden = layer(hidden, rope, state, loop * n_layers + layer_idx)
                 if all_hidden is not None:
                     all_hidden.append(hidden)
-            hidden = self.norm(hidden)
+            hidden = by_token_chunks(self.norm, hidden)  # in pieces: the eager norm's fp32 copies are per piece
             if all_hidden is not None:
                 all_hidden[-1] = hidden
             kept = keep(hidden)
