@@ -7,10 +7,15 @@ For each shape x context x cache (the caches of `bench_generate.CACHES`):
    byte model beside it) and the **workspace**: the probe's peak minus the weights and the bytes stored (activations,
    logits, allocator rounding: the memory a generate needs beyond what the cache keeps);
 2. the **prediction**: `floor((budget - weights - workspace) / (stored bytes per token x context))` (the workspace
-   stated as a constant), and beside it the other bracket, `floor((budget - weights) / (stored bytes per row +
-   workspace))` (all of it per row: a one-pass exact prefill holds one layer call's activations of every row's prompt);
+   stated as a constant), and beside it two brackets with a per-row workspace: `floor((budget - weights) / (stored
+   bytes per row + workspace))` (all of batch 1's workspace counted per row), and the modelled one,
+   `floor((budget - weights - (workspace - row)) / (stored bytes per row + row))`, where `row` is what an exact
+   one-pass prefill holds per row beyond the cache (`prefill_row_bytes`: the layer's input and output, one cell's
+   prompt keys and values, Huginn's injected embeddings, the RoPE tables; queries, attention, projections and the MLP
+   run in pieces of a fixed number of tokens, whose workspace does not grow with the batch);
 3. the **search**: probes at batch b (each a fresh cache; out-of-memory caught as `torch.OutOfMemoryError`; cache,
-   outputs and the allocator's cache freed between probes), from the prediction, then up or down by steps that
+   outputs and the allocator's cache freed between probes), from the modelled bracket (the nearest: a probe that runs
+   out of memory can cost most of a prefill), then up or down by steps that
    double (an eighth of the prediction first), then bisection until the gap between the largest batch that fits
    and the smallest that does not is at most `--resolution` of it. Every probe is recorded: batch, ok / oom, peak
    GiB, stored GiB, seconds, aggregate decode tok/s (the `new_tokens - 1` decode steps, timed on the device by a
@@ -61,6 +66,22 @@ if TYPE_CHECKING:
 
 DEFAULT_CACHES = ("full", "ripe64", "deepest", "kivi4", "kivi4-share", "hand")
 GIB = 2**30
+#: hidden states per row and prompt token that a prefill holds beyond the cache and one cell's prompt keys and values:
+#: the layer's input and output, and on Huginn the injected embeddings (the bound of `tests/cache/test_memory.py`)
+PREFILL_ROW_STATES = {"ouro": 2, "huginn_raven": 3}
+
+
+def prefill_row_bytes(model: Any, context: int) -> int:
+    """Bytes an exact one-pass prefill of `context` tokens holds per row beyond what the cache stores, in the model's
+    dtype: `PREFILL_ROW_STATES` hidden states and one cell's keys and values per token, and the RoPE tables (cos and
+    sin: `head_dim` each in the model's dtype on Ouro, `head_dim / 2` each in fp32 on Huginn). The rest of a prefill's
+    workspace (one piece of `TOKEN_CHUNK` tokens, the logits) does not grow with the batch. Ouro-1.4B at 8K in bf16:
+    132 MiB; Huginn-0125: 416 MiB."""
+    layout = model.loop_layout
+    elem = next(model.parameters()).element_size()
+    kv = layout.num_kv_heads * layout.head_dim
+    rope = 2 * layout.head_dim * elem if layout.name == "ouro" else layout.head_dim * 4
+    return ((PREFILL_ROW_STATES[layout.name] * model.config.hidden_size + 2 * kv) * elem + rope) * context
 
 
 class _StepClock(LogitsProcessor):
@@ -291,8 +312,15 @@ def run_cache(
     row["workspace_gib"] = round(workspace / GIB, 3)
     predicted = max(0, math.floor((budget_bytes - weights_bytes - workspace) / stored_row))
     row["predicted_batch"] = predicted
-    # the other bracket: the whole batch-1 workspace counted per row (activations of a one-pass prefill grow with it)
+    # the other bracket: the whole batch-1 workspace counted per row
     row["predicted_batch_workspace_per_row"] = max(0, math.floor((budget_bytes - weights_bytes) / (stored_row + workspace)))
+    # the modelled bracket: what a prefill holds per row (input, output, a cell's prompt keys and values), the rest of
+    # batch 1's workspace once
+    per_row = prefill_row_bytes(model, context)
+    row["prefill_row_gib_model"] = round(per_row / GIB, 3)
+    row["predicted_batch_row_workspace"] = max(
+        0, math.floor((budget_bytes - weights_bytes - max(0.0, workspace - per_row)) / (stored_row + per_row))
+    )
     row["probes"] = [one]
     rate = [one["seconds"]]  # seconds per row, the slowest seen
 
@@ -312,7 +340,8 @@ def run_cache(
         return False
 
     largest, _ = search(
-        try_batch, max(1, predicted), resolution=resolution, max_probes=max_probes, out_of_time=late, known={1: one}
+        try_batch, max(1, row["predicted_batch_row_workspace"]), resolution=resolution, max_probes=max_probes,
+        out_of_time=late, known={1: one}
     )
     probes = row.pop("probes")
     fits = [p for p in probes if p["status"] == "ok"]

@@ -72,6 +72,8 @@ def test_a_row_on_a_micro_model_with_out_of_memory_above_a_batch(monkeypatch):
     )
     assert row["largest_batch"] == 3 and row["smallest_failing_batch"] == 4
     assert row["predicted_batch"] > 3  # 1 GiB budget: the prediction is far above, the search comes down
+    # the per-row brackets lie below the bytes-only prediction; the modelled one counts less than all of batch 1's
+    assert row["predicted_batch_workspace_per_row"] <= row["predicted_batch_row_workspace"] <= row["predicted_batch"]
     assert {p["status"] for p in row["probes"]} == {"ok", "oom"}
     assert row["probes"][0]["batch"] == 1 and row["stored_gib_per_row"] > 0
     assert row["stored_bytes_per_token"] == pytest.approx(row["stored_bytes_per_token_model"], rel=0.25)
@@ -85,6 +87,19 @@ def test_a_row_on_a_micro_model_with_out_of_memory_above_a_batch(monkeypatch):
     )  # no time for a probe after batch 1's: the row says so and keeps batch 1
     assert late["largest_batch"] == 1 and late["status"].startswith("deadline: the search stopped before a probe")
     assert [p["batch"] for p in late["probes"]] == [1] and written == []
+
+
+def test_prefill_row_bytes_of_the_real_shapes():
+    """The per-row prefill workspace the modelled bracket uses, in the real shapes (bf16, 8K): Ouro-1.4B holds its input
+    and output and one cell's keys and values (2,048 wide each) plus RoPE tables; Huginn-0125 also its injected
+    embeddings (5,280 wide; 55 heads of 96, fp32 RoPE angles)."""
+    with torch.device("meta"):
+        ouro = common.SHAPES["ouro-1.4b"]().to(torch.bfloat16)
+        huginn = common.SHAPES["huginn-0125"]().to(torch.bfloat16)
+    assert bench_capacity.prefill_row_bytes(ouro, 8192) == ((2 * 2048 + 2 * 2048) * 2 + 2 * 128 * 2) * 8192
+    assert bench_capacity.prefill_row_bytes(huginn, 8192) == ((3 * 5280 + 2 * 5280) * 2 + 96 * 4) * 8192
+    assert round(bench_capacity.prefill_row_bytes(ouro, 8192) / 2**20) == 132
+    assert round(bench_capacity.prefill_row_bytes(huginn, 8192) / 2**20) == 416
 
 
 def test_command_line_writes_rows_and_names_bad_arguments(tmp_path, monkeypatch, capsys):

@@ -86,8 +86,8 @@ def by_token_chunks(fn: Any, *xs: torch.Tensor, out: torch.Tensor | None = None)
     flat_out = None if out is None else out.view(b * t, *out.shape[2:])
     for a in range(0, b * t, chunk):
         piece = fn(*(y[a : a + chunk][None] for y in flats))[0]
-        if flat_out is None:
-            flat_out = piece.new_empty((b * t, *piece.shape[1:]))
+        if flat_out is None or (a == 0 and (piece.dtype, piece.shape[1:]) != (flat_out.dtype, flat_out.shape[1:])):
+            flat_out = piece.new_empty((b * t, *piece.shape[1:]))  # (an `out` of another dtype is not used)
         flat_out[a : a + chunk] = piece
         del piece
     return cast("torch.Tensor", flat_out).view(b, t, *flat_out.shape[1:])  # type: ignore[union-attr]
