@@ -261,12 +261,16 @@ VPREC_SETTINGS = {
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in ROW1_CASES if c.vprec and c.fmt == 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("setting", list(VPREC_SETTINGS))
+@pytest.mark.parametrize(
+    "dtype, setting",
+    [(torch.float32, k) for k in VPREC_SETTINGS] + [(torch.float16, k) for k in ("v5-pipe", "v5-scores")],
+    ids=[f"fp32-{k}" for k in VPREC_SETTINGS] + ["fp16-v5-pipe", "fp16-v5-scores"],
+)  # fmt: skip
 def test_vprec_modes_match_reference(case, dtype, setting):
     """v5's V precision: the pipelined loop (a step's hot set one step ahead, its `lo` words loaded a step ahead) and
     the score pass (the value pass reads the first pass's scores, not the key codes) give the reference's output,
-    lse and cold count (fp32: exactly the reference's cold set, tau = 4 mixes cold and hot tokens)."""
+    lse and cold count (fp32: exactly the reference's cold set, tau = 4 mixes cold and hot tokens; fp16: the
+    shifted-field reads, at 1 page per step)."""
     _check(case, dtype, tuning=VPREC_SETTINGS[setting])
 
 

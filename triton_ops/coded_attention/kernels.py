@@ -586,13 +586,16 @@ def _codes_history_row1p(
     `USE_VPREC`, reordered so that the `lo` plane is loaded one step ahead like every other tile.
 
     The `lo` load of a step is masked by that step's hot set, which needs its scores. v4 computed a step's scores,
-    then loaded its `lo` words and waited for them before the value sums (the one load per step whose latency was
-    exposed). Here iteration `k` (1) loads the inputs of step `k + 2` (key words, scales, zeros, padding; or with
-    `SCORES`, the stored scores), (2) loads step `k + 1`'s `hi` words, value scales and zeros, (3) computes step
-    `k + 1`'s scores from the inputs loaded one iteration earlier, its running maxima and hot set, and loads its
-    `lo` words (0 where cold), then (4) accumulates step `k`'s values from tiles loaded one iteration earlier. The
-    running maximum advances in page order (the prologue classifies step 0), so the cold set is v4's; the lazy
-    softmax reference moves at step `k`'s accumulation, as in v4.
+    then loaded its `lo` words and read them ~30 instructions later (the one load per step whose latency was
+    exposed). Here iteration `k` (1) loads step `k + 2`'s key scales / zeros (padding; with `SCORES`, its stored
+    scores) and step `k + 1`'s value scales / zeros, (2) computes step `k + 1`'s scores from the key words loaded
+    one iteration earlier, its running maxima and hot set, (3) loads step `k + 2`'s key words, (4) merges step `k`'s
+    planes into 4-bit codes and loads step `k + 1`'s `hi` and `lo` words (`lo` 0 where cold), then (5) accumulates
+    step `k`'s values. Every load is thus read about an iteration later (SASS for sm_90: >= 300 instructions of a
+    544-instruction step; a load issued while the value it replaces is live makes ptxas copy it into the
+    loop-carried registers, and that copy waits for the load, hence the order). The running maximum advances in page
+    order (the prologue classifies step 0), so the cold set is v4's; the lazy softmax reference moves at step `k`'s
+    accumulation, as in v4.
 
     `SCORES`: the scores come from `sc_ptr` (the page-maxima pass wrote them, `-inf` where not read), so this pass
     reads no key codes at all (v5's split path: the launcher's second pass over K is gone). Pointers at (b, h_kv)
