@@ -6,7 +6,7 @@ value groups of 32), disassembles it with the `cuobjdump` that Triton ships, and
 the instructions of the history loop (the body of the hottest backward branch) by opcode, per step and per code
 element (`NP * 32` tokens x 128 channels per step).
 
-    python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec [--vpipe 1 [--scores 1]]]
+    python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec [--vpipe 1 [--scores 1] [--unroll 1]]]
         [--sass out.sass]
 
 `ldg_use_distance`: for each global load of the loop, how many instructions later the first instruction that reads
@@ -35,7 +35,7 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
     consts = dict(
         D=128, PAGE=32, VGROUP=32, KV_FMT=fmt, BLOCK_R=16, BLOCK_T=32, BLOCK_PM=64, USE_VALID=False,
         USE_VPREC=vprec, COUNT=False, READ_PREFIX=False, PAGE_MAX_ONLY=False, IEEE=dtype == "fp32", ROW1=True,
-        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False,
+        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False,
     )  # fmt: skip
     consts.update(extra or {})
     ptr_types = dict(
@@ -190,9 +190,11 @@ def main(argv=None):
     p.add_argument(
         "--scores", type=int, default=0, help="1: v5's value pass over stored scores (SCORES + READ_PREFIX; --vpipe 1)"
     )
+    p.add_argument("--unroll", type=int, default=0, help="1: v5's loop two steps per iteration (VUNROLL; --vpipe 1)")
     p.add_argument("--sass", default=None, help="write the whole SASS here")
     a = p.parse_args(argv)
     extra = {"WORDS": bool(a.words), "VPIPE": bool(a.vpipe), "SCORES": bool(a.scores), "READ_PREFIX": bool(a.scores)}
+    extra["VUNROLL"] = bool(a.unroll)
     r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra)
     for k, v in r.items():
         print(f"{k}: {v}")

@@ -9,8 +9,9 @@ microseconds and TB/s of bytes read (the same byte count as `bench_coded_attenti
     python -m benchmarks.tune_coded_attention --out /tmp/sweep.json \\
         --configs '4,4,1,4' '2,4,1,4' --batches 1 8 32 --contexts 8192 32768
 
-A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5): `--configs 1,2,1,8,1,scores 1,2,1,8,1,v4
---providers int4 int4-vprec` times int4 once and V precision in both modes.
+A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5; `scores+unroll` / `pipe+unroll` add
+`vprec_unroll`): `--configs 1,2,1,8,1,scores 1,2,1,8,1,v4 --providers int4 int4-vprec` times int4 once and V
+precision in both modes.
 """
 
 from __future__ import annotations
@@ -174,8 +175,10 @@ def main(argv=None):
         fields = c.split(",")
         pg, nw, st, ps, *wd = (int(x) for x in fields[:5])
         tune = dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps, words=bool(wd and wd[0]))
-        if len(fields) > 5:
-            tune["vprec"] = fields[5]  # ops.VPREC_MODES; changes only the int4-vprec provider
+        if len(fields) > 5:  # ops.VPREC_MODES, "+unroll" for `vprec_unroll`; changes only the int4-vprec provider
+            mode, _, extra = fields[5].partition("+")
+            tune["vprec"] = mode
+            tune["vprec_unroll"] = extra == "unroll"
         configs.append((c, tune))
     if args.baseline:
         configs.insert(0, ("v2", dict(enabled=False)))

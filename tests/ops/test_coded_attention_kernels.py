@@ -256,6 +256,8 @@ VPREC_SETTINGS = {
     "v5-pipe-np2": {"vprec": "pipe", "pages": 2},
     "v5-scores": {"vprec": "scores"},
     "v5-scores-np2": {"vprec": "scores", "pages": 2},
+    "v5-pipe-unroll": {"vprec": "pipe", "vprec_unroll": True},
+    "v5-scores-unroll": {"vprec": "scores", "vprec_unroll": True},
 }
 """`ROW1_TUNING["vprec"]` modes of v5 (`ops.VPREC_MODES`): they change only V precision on INT4 history."""
 
@@ -272,6 +274,15 @@ def test_vprec_modes_match_reference(case, dtype, setting):
     lse and cold count (fp32: exactly the reference's cold set, tau = 4 mixes cold and hot tokens; fp16: the
     shifted-field reads, at 1 page per step)."""
     _check(case, dtype, tuning=VPREC_SETTINGS[setting])
+
+
+@pytest.mark.parametrize(
+    "dtype, mode", [(torch.float32, "pipe"), (torch.float32, "scores"), (torch.float16, "pipe"), (torch.float16, "scores")]
+)  # fmt: skip
+def test_vprec_unroll_odd_steps_and_padding(dtype, mode):
+    """`vprec_unroll` (two steps per iteration, two alternating buffers of key inputs): an odd number of steps (5
+    pages, one split: the last iteration's second step reads nothing) and padding inside the history."""
+    _check(Case(hist=160, Hq=2, Hkv=2, B=2, splits=1, pad=True, lean=0.3), dtype, tuning={"vprec": mode, "vprec_unroll": 1})
 
 
 def test_vprec_mode_is_validated():
@@ -323,7 +334,7 @@ def test_running_max_crosses_splits():
     ref, _ = _reference(data, stats=stats)
     assert stats[0].item() > 0
     settings = [(1, {"words": False}), (2, {"words": False}), (4, {"words": False}), (1, {}), (4, {})]
-    settings += [(ns, {"vprec": m}) for ns in (1, 4) for m in ("pipe", "scores")]
+    settings += [(ns, {"vprec": m, "vprec_unroll": u}) for ns in (1, 4) for m in ("pipe", "scores") for u in (0, 1)]
     settings += [(None, {"vprec": "scores"})]  # the launcher's own split count (4 pages: 4 splits here)
     for ns, tune in settings:
         data["case"].splits = ns
@@ -334,8 +345,9 @@ def test_running_max_crosses_splits():
 
 
 @pytest.mark.parametrize(
-    "tune", [{"words": False}, {"words": True}, {"vprec": "pipe"}, {"vprec": "scores"}],
-    ids=["bytes", "words", "v5-pipe", "v5-scores"],
+    "tune",
+    [{"words": False}, {"words": True}, {"vprec": "pipe"}, {"vprec": "scores"}, {"vprec": "pipe", "vprec_unroll": 1}],
+    ids=["bytes", "words", "v5-pipe", "v5-scores", "v5-pipe-unroll"],
 )  # fmt: skip
 @pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
 def test_late_maximum_moves_the_softmax_reference(vprec, tune):

@@ -54,3 +54,15 @@ def test_vprec_score_pass_reads_no_key_codes():
     assert r["ops"].get("LDG", 0) > 0 and r["per_element"] < 3.0, r  # measured 2.41 (the fused loop: 4.25)
     assert all(d is None or d >= 150 for d in r["ldg_use_distance"]), r
     assert not [op for op in r["ldg_ops"] if ".128" in op], r  # no key words
+
+
+def test_vprec_unroll_reads_every_load_half_an_iteration_later():
+    """`vprec_unroll`: two steps per iteration with two buffers of key inputs (the key scales loaded one 2-byte
+    element at a time, so ptxas does not repack them early): every load of the loop is read >= ~500 instructions
+    after its issue (the one-step loop: >= 303), no spill, at most ~7% more instructions per element."""
+    from benchmarks.sass_coded_attention import report
+
+    r = report(fmt=4, pages=1, warps=2, vprec=True, extra={"WORDS": True, "VPIPE": True, "VUNROLL": True})
+    assert r["stack"] == 0 and r["local_ins"] == 0, r
+    assert all(d is None or d >= 450 for d in r["ldg_use_distance"]), r  # measured >= 515
+    assert r["per_element"] / 2 < 4.7, r  # two steps per loop trip; measured 4.53 (one step per trip: 4.25)

@@ -575,12 +575,112 @@ def _vprec_classify(b_s, m_vis, b_run, margin):
 
 
 @triton.jit
+def _vp_scores_ahead(
+    i0, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt, stride_hksp, hist_start,
+    limit, p_end, b_run, margin, kw, ks, kz, vd, sc, cnt_c, cnt_a,
+    D: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, USE_VALID: tl.constexpr, COUNT: tl.constexpr,
+    SCORES: tl.constexpr, FAST: tl.constexpr,
+):
+    """Unrolled `_codes_history_row1p` (`VUNROLL`), first half of a step: step `k + 1`'s scores (step `k` starts at
+    page `i0`) from its inputs `kw, ks, kz, vd` (or `sc` with `SCORES`), its running maxima, hot set and counts;
+    then the same buffer reloaded with step `k + 3`'s inputs (two buffers alternate, so the load writes the
+    registers the scores just freed and is read two steps later). The key scales / zeros load one 2-byte element
+    at a time (offsets whose alignment the compiler cannot prove): loaded 4 bytes at a time, ptxas repacks them
+    into the loop-carried registers a few hundred instructions after the load and waits for it there."""
+    o_np = tl.arange(0, NP)
+    o_pt = tl.arange(0, PAGE)
+    o_w = tl.arange(0, D // 8)
+    o_d = tl.arange(0, D)
+    o_pg = i0 + NP + o_np
+    o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+    if SCORES:
+        b_s1 = sc
+        m_vis1 = b_s1 > float("-inf")
+    else:
+        m_vis1 = o_t2 < limit
+        if USE_VALID:
+            m_vis1 = m_vis1 & (vd != 0)
+        b_s1 = tl.where(m_vis1, _wscores(kw, ks, kz, b_q, b_qk, one, 4, FAST), float("-inf"))
+    m_hot1, b_run, b_mx1 = _vprec_classify(b_s1, m_vis1, b_run, margin)
+    if COUNT:
+        cnt_a += m_vis1.to(tl.int32)
+        cnt_c += (m_vis1 & ~m_hot1).to(tl.int32)
+    o_pg3 = o_pg + 2 * NP  # step k + 3
+    o_t23 = o_pg3[:, None] * PAGE + o_pt[None, :]
+    if SCORES:
+        sc = tl.load(sc_ptr + o_t23, mask=o_t23 < limit, other=float("-inf"))
+    else:
+        o_t3 = o_t23[:, :, None]
+        kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+        o_du = o_d + (p_end < 0).to(tl.int32)  # = o_d (p_end >= 0), alignment unknown to the compiler
+        m_pg3 = (o_pg3 < p_end)[:, None]
+        ks = tl.load(hks_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :], mask=m_pg3, other=0.0)
+        kz = tl.load(hkz_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :], mask=m_pg3, other=0.0)
+        if USE_VALID:
+            vd = tl.load(p_valid + (hist_start + o_t23) * stride_validt, mask=o_t23 < limit, other=0)
+    return b_s1, m_hot1, b_mx1, b_run, cnt_c, cnt_a, kw, ks, kz, vd, sc
+
+
+@triton.jit
+def _vp_values(
+    i0, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7,
+    c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit,
+    D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, NP: tl.constexpr, FAST: tl.constexpr,
+):
+    """Unrolled `_codes_history_row1p` (`VUNROLL`), second half of a step: step `k`'s planes merged into 4-bit
+    codes, step `k + 1`'s `hi` / `lo` words loaded (`lo` masked by its hot set `m_hot1`), step `k`'s value sums
+    (the lazy softmax reference moved on its maximum). Same arithmetic as the loop of `_codes_history_row1p`."""
+    NG: tl.constexpr = D // VGROUP
+    VW: tl.constexpr = VGROUP // 16
+    T: tl.constexpr = NP * PAGE
+    o_g = tl.arange(0, NG)
+    o_u = tl.arange(0, VW)
+    o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]
+    b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
+    b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+    o_t1 = (i0 + NP) * PAGE + tl.arange(0, T)
+    m_t1 = o_t1 < limit
+    o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+    n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+    n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
+    if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+        b_alpha = tl.exp2(b_mr - b_mx)
+        b_lv *= b_alpha
+        a0, a1, a2, a3, a4, a5, a6, a7 = (
+            a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha, a6 * b_alpha,
+            a7 * b_alpha,
+        )  # fmt: skip
+        c0, c1, c2, c3, c4, c5, c6, c7 = (
+            c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha, c6 * b_alpha,
+            c7 * b_alpha,
+        )  # fmt: skip
+        b_az *= b_alpha
+        b_wsum *= b_alpha
+        b_mr = b_mx
+    b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+    b_lv += b_p
+    b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+    b_p1 = tl.reshape(b_p, [T])
+    b_vsf = b_vs.to(tl.float32)
+    b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
+    b_az += b_p1[:, None] * b_vz.to(tl.float32) + 1.5 * b_pc[:, None] * b_vsf  # cold: the hi bucket's midpoint
+    if FAST:
+        b_wsum += b_w
+    b_w3 = b_w[:, :, None]
+    a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+    return (
+        b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl,
+    )  # fmt: skip
+
+
+@triton.jit
 def _codes_history_row1p(
     b_q, b_run, o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr,
     sc_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, i_prog, nh, hist_start, p_begin,
     p_end, margin,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, NP: tl.constexpr, USE_VALID: tl.constexpr,
-    COUNT: tl.constexpr, SCORES: tl.constexpr, FAST: tl.constexpr,
+    COUNT: tl.constexpr, SCORES: tl.constexpr, FAST: tl.constexpr, VUNROLL: tl.constexpr,
 ):
     """V precision over INT4 words, software-pipelined (v5): the history loop of `_codes_history_row1w` with
     `USE_VPREC`, reordered so that the `lo` plane is loaded one step ahead like every other tile.
@@ -599,7 +699,10 @@ def _codes_history_row1p(
 
     `SCORES`: the scores come from `sc_ptr` (the page-maxima pass wrote them, `-inf` where not read), so this pass
     reads no key codes at all (v5's split path: the launcher's second pass over K is gone). Pointers at (b, h_kv)
-    (codes as int32 words, strides in words; `sc_ptr` at the row's first history token)."""
+    (codes as int32 words, strides in words; `sc_ptr` at the row's first history token).
+
+    `VUNROLL`: two steps per iteration with two buffers of step inputs (`_vp_scores_ahead`, `_vp_values`), so the
+    key inputs are loaded three steps ahead instead of two without a register copy (opt-in, `vprec_unroll`)."""
     LANES: tl.constexpr = 8  # INT4 key channels per word
     DW: tl.constexpr = D // LANES
     NG: tl.constexpr = D // VGROUP
@@ -669,88 +772,152 @@ def _codes_history_row1p(
         if USE_VALID:
             n_vd = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=o_t2 < limit, other=0)
 
-    for i_p0 in range(p_begin, p_end, NP):
-        o_pg = i_p0 + NP + o_np  # step k + 1
+    if VUNROLL:
+        # two buffers of step inputs alternate (x: step k + 1, y: step k + 2), each reloaded with the inputs two steps
+        # further right after its scores (`_vp_scores_ahead`): no register copy, every load read >= ~500 SASS later
+        dz = tl.zeros([NP, PAGE], dtype=tl.int32)  # stands for the inputs a mode does not read
+        if not COUNT:
+            b_cnt_cold = dz
+            b_cnt_all = dz
+        o_pg = p_begin + 2 * NP + o_np
         o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
-        o_pg2 = o_pg + NP  # step k + 2
-        o_t22 = o_pg2[:, None] * PAGE + o_pt[None, :]
-        # (1) loads that need no score: step k + 2's key scales, zeros (and padding), step k + 1's value scales,
-        # zeros. (The carried values they replace are still live, so ptxas copies the new ones into the carried
-        # registers once those die, and the copy waits for the load: issued here, the wait comes after step k + 1's
-        # scores (key tiles) or step k's sums (value tiles).)
         if SCORES:
-            n_s2 = tl.load(sc_ptr + o_t22, mask=o_t22 < limit, other=float("-inf"))
+            x_kw, x_ks, x_kz, x_vd, x_s = dz, dz, dz, dz, n_s
+            y_kw, y_ks, y_kz, y_vd = dz, dz, dz, dz
+            y_s = tl.load(sc_ptr + o_t2, mask=o_t2 < limit, other=float("-inf"))
         else:
-            m_pg2 = (o_pg2 < p_end)[:, None]
-            n_ks2 = tl.load(hks_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
-            n_kz2 = tl.load(hkz_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
+            x_kw, x_ks, x_kz, x_vd, x_s = n_kw, n_ks, n_kz, dz, dz.to(tl.float32)
+            o_t3 = o_t2[:, :, None]
+            y_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+            m_pgy = (o_pg < p_end)[:, None]
+            y_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pgy, other=0.0)
+            y_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pgy, other=0.0)
+            y_vd, y_s = dz, x_s
             if USE_VALID:
-                n_vd2 = tl.load(p_valid + (hist_start + o_t22) * stride_validt, mask=o_t22 < limit, other=0)
-        o_t1 = (i_p0 + NP) * PAGE + o_tt
-        m_t1 = o_t1 < limit
-        o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-        n_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
-        n_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
-        # (2) step k + 1's scores (from inputs loaded one iteration ago), running maxima, hot set
-        if SCORES:
-            b_s1 = n_s
-            m_vis1 = b_s1 > float("-inf")
-        else:
-            m_vis1 = o_t2 < limit
-            if USE_VALID:
-                m_vis1 = m_vis1 & (n_vd != 0)
-            b_s1 = tl.where(m_vis1, _wscores(n_kw, n_ks, n_kz, b_q, b_qk, one, 4, FAST), float("-inf"))
-        m_hot1, b_run, b_mx1 = _vprec_classify(b_s1, m_vis1, b_run, margin)
-        if COUNT:
-            b_cnt_all += m_vis1.to(tl.int32)
-            b_cnt_cold += (m_vis1 & ~m_hot1).to(tl.int32)
-        # (3) step k + 2's key words, loaded once step k + 1's are consumed (into the same registers: no copy)
-        if SCORES:
-            n_s = n_s2
-        else:
-            o_t3 = o_t22[:, :, None]
-            n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
-            n_ks, n_kz = n_ks2, n_kz2
-            if USE_VALID:
-                n_vd = n_vd2
-        # (4) step k's 4-bit codes 4 hi + lo (even fields: hi's bits moved up by 2; odd fields: lo's moved down),
-        # merged before step k + 1's plane words are loaded (into the same registers, for the same reason):
-        # `lo` masked by step k + 1's hot set (0 where cold), in flight until the next iteration's merge
-        b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
-        b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
-        o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-        n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
-        n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
-        # (5) step k's values
-        if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
-            b_alpha = tl.exp2(b_mr - b_mx)
-            b_lv *= b_alpha
-            a0, a1, a2, a3, a4, a5, a6, a7 = (
-                a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
-                a6 * b_alpha, a7 * b_alpha,
+                x_vd = n_vd
+                y_vd = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=o_t2 < limit, other=0)
+        for i_p0 in range(p_begin, p_end, 2 * NP):
+            # step k (pages from i_p0): scores of k + 1 from buffer x, values of k
+            o_t1 = (i_p0 + NP) * PAGE + o_tt
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            b_s1, m_hot1, b_mx1, b_run, b_cnt_cold, b_cnt_all, x_kw, x_ks, x_kz, x_vd, x_s = _vp_scores_ahead(
+                i_p0, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt,
+                stride_hksp, hist_start, limit, p_end, b_run, margin, x_kw, x_ks, x_kz, x_vd, x_s, b_cnt_cold,
+                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST,
             )  # fmt: skip
-            c0, c1, c2, c3, c4, c5, c6, c7 = (
-                c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
-                c6 * b_alpha, c7 * b_alpha,
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl = (
+                _vp_values(
+                    i_p0, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3,
+                    a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit, D, PAGE,
+                    VGROUP, NP, FAST,
+                )
             )  # fmt: skip
-            b_az *= b_alpha
-            b_wsum *= b_alpha
-            b_mr = b_mx
-        b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
-        b_lv += b_p
-        b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
-        b_p1 = tl.reshape(b_p, [T])
-        b_vsf = b_vs.to(tl.float32)
-        b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
-        b_az += b_p1[:, None] * b_vz.to(tl.float32) + 1.5 * b_pc[:, None] * b_vsf  # cold: the hi bucket's midpoint
-        if FAST:
-            b_wsum += b_w
-        b_w3 = b_w[:, :, None]
-        a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
-        # step k + 1 becomes the current step
-        b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
-        b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+            b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+            # step k + 1: scores of k + 2 from buffer y, values of k + 1
+            o_t1 = (i_p0 + 2 * NP) * PAGE + o_tt
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            b_s1, m_hot1, b_mx1, b_run, b_cnt_cold, b_cnt_all, y_kw, y_ks, y_kz, y_vd, y_s = _vp_scores_ahead(
+                i_p0 + NP, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt,
+                stride_hksp, hist_start, limit, p_end, b_run, margin, y_kw, y_ks, y_kz, y_vd, y_s, b_cnt_cold,
+                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST,
+            )  # fmt: skip
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl = (
+                _vp_values(
+                    i_p0 + NP, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1,
+                    a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit,
+                    D, PAGE, VGROUP, NP, FAST,
+                )
+            )  # fmt: skip
+            b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+    else:
+        for i_p0 in range(p_begin, p_end, NP):
+            o_pg = i_p0 + NP + o_np  # step k + 1
+            o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+            o_pg2 = o_pg + NP  # step k + 2
+            o_t22 = o_pg2[:, None] * PAGE + o_pt[None, :]
+            # (1) loads that need no score: step k + 2's key scales, zeros (and padding), step k + 1's value scales,
+            # zeros. (The carried values they replace are still live, so ptxas copies the new ones into the carried
+            # registers once those die, and the copy waits for the load: issued here, the wait comes after step k + 1's
+            # scores (key tiles) or step k's sums (value tiles).)
+            if SCORES:
+                n_s2 = tl.load(sc_ptr + o_t22, mask=o_t22 < limit, other=float("-inf"))
+            else:
+                m_pg2 = (o_pg2 < p_end)[:, None]
+                n_ks2 = tl.load(hks_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
+                n_kz2 = tl.load(hkz_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
+                if USE_VALID:
+                    n_vd2 = tl.load(p_valid + (hist_start + o_t22) * stride_validt, mask=o_t22 < limit, other=0)
+            o_t1 = (i_p0 + NP) * PAGE + o_tt
+            m_t1 = o_t1 < limit
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+            # (2) step k + 1's scores (from inputs loaded one iteration ago), running maxima, hot set
+            if SCORES:
+                b_s1 = n_s
+                m_vis1 = b_s1 > float("-inf")
+            else:
+                m_vis1 = o_t2 < limit
+                if USE_VALID:
+                    m_vis1 = m_vis1 & (n_vd != 0)
+                b_s1 = tl.where(m_vis1, _wscores(n_kw, n_ks, n_kz, b_q, b_qk, one, 4, FAST), float("-inf"))
+            m_hot1, b_run, b_mx1 = _vprec_classify(b_s1, m_vis1, b_run, margin)
+            if COUNT:
+                b_cnt_all += m_vis1.to(tl.int32)
+                b_cnt_cold += (m_vis1 & ~m_hot1).to(tl.int32)
+            # (3) step k + 2's key words, loaded once step k + 1's are consumed (into the same registers: no copy)
+            if SCORES:
+                n_s = n_s2
+            else:
+                o_t3 = o_t22[:, :, None]
+                n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+                n_ks, n_kz = n_ks2, n_kz2
+                if USE_VALID:
+                    n_vd = n_vd2
+            # (4) step k's 4-bit codes 4 hi + lo (even fields: hi's bits moved up by 2; odd fields: lo's moved down),
+            # merged before step k + 1's plane words are loaded (into the same registers, for the same reason):
+            # `lo` masked by step k + 1's hot set (0 where cold), in flight until the next iteration's merge
+            b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
+            b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+            o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+            n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+            n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
+            # (5) step k's values
+            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+                b_alpha = tl.exp2(b_mr - b_mx)
+                b_lv *= b_alpha
+                a0, a1, a2, a3, a4, a5, a6, a7 = (
+                    a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
+                    a6 * b_alpha, a7 * b_alpha,
+                )  # fmt: skip
+                c0, c1, c2, c3, c4, c5, c6, c7 = (
+                    c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
+                    c6 * b_alpha, c7 * b_alpha,
+                )  # fmt: skip
+                b_az *= b_alpha
+                b_wsum *= b_alpha
+                b_mr = b_mx
+            b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+            b_lv += b_p
+            b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+            b_p1 = tl.reshape(b_p, [T])
+            b_vsf = b_vs.to(tl.float32)
+            b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
+            b_az += b_p1[:, None] * b_vz.to(tl.float32) + 1.5 * b_pc[:, None] * b_vsf  # cold: the hi bucket's midpoint
+            if FAST:
+                b_wsum += b_w
+            b_w3 = b_w[:, :, None]
+            a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+            # step k + 1 becomes the current step
+            b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
     _wfinish(
         o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6,
         c7, D, 4, FAST,
@@ -910,6 +1077,7 @@ def _coded_attention_fwd_kernel(
     DEV_LEN: tl.constexpr = False,
     VPIPE: tl.constexpr = False,
     SCORES: tl.constexpr = False,
+    VUNROLL: tl.constexpr = False,
 ):
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
@@ -998,7 +1166,7 @@ def _coded_attention_fwd_kernel(
                     p_sc, stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, margin,
-                    D, PAGE, VGROUP, NP, USE_VALID, COUNT, SCORES, not IEEE,
+                    D, PAGE, VGROUP, NP, USE_VALID, COUNT, SCORES, not IEEE, VUNROLL,
                 )  # fmt: skip
             elif WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
                 _codes_history_row1w(

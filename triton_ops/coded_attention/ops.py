@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True, "vprec": "v4",
-    "vprec_fill": 4,
+    "vprec_fill": 4, "vprec_unroll": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -45,7 +45,8 @@ and counts: `benchmarks/notes_coded_attention.md`).
 
 `vprec` picks how the word path runs V precision (INT4 history, one query row per KV head; see `VPREC_MODES`):
 `"v4"` (the default until v5 is timed on the GPU), `"pipe"` or `"scores"` (v5); `vprec_fill`: with `"scores"`,
-the row blocks per SM from which V precision keeps one split per row block (fewer: splits and the score pass)."""
+the row blocks per SM from which V precision keeps one split per row block (fewer: splits and the score pass);
+`vprec_unroll`: v5's loop with two steps per iteration (key inputs loaded a step further ahead; not yet timed)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -132,6 +133,8 @@ def _coded_attention_fwd(
         raise ValueError(f"`tuning['vprec']` must be one of {VPREC_MODES}, got {vmode!r}")
     vpipe = use_vprec and words and vmode in ("pipe", "scores")
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
+    if vpipe and tune.get("vprec_unroll"):
+        step *= 2  # two steps per iteration (`kernels._codes_history_row1p`, VUNROLL)
     if n_pages == 0:
         ns = 0
     elif num_splits is not None:
@@ -234,6 +237,7 @@ def _coded_attention_fwd(
             DEV_LEN=static,
             VPIPE=vpipe,
             SCORES=scores,
+            VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
         )
 
     launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]} if row1 else {}
