@@ -33,6 +33,18 @@ from benchmarks.common import write_rows
 HEADS, HEAD_DIM, SINK, WINDOW, PAGE, GROUP = 16, 128, 32, 256, 32, 32
 
 
+def vprec_pass_bytes(b, n_hist, tune, sms=132):
+    """Bytes per batch row V precision reads besides the codes: v4 / `pipe` split below one row block per SM and
+    then read the key codes (and scales, zeros) twice; `scores` splits below `vprec_fill` row blocks per SM and
+    writes and reads one fp32 score per token and head instead (`ops.VPREC_MODES`)."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    tune = {**ROW1_TUNING, **(tune or {})}
+    if tune.get("vprec") == "scores":
+        return n_hist * HEADS * 8 if b * HEADS < tune["vprec_fill"] * sms else 0
+    return n_hist * HEADS * HEAD_DIM * (1 / 2 + 4 / PAGE) if b * HEADS < sms else 0
+
+
 def _margin_for_cold(q, k_hat, sink_k, scaling, target=0.8):
     """V-precision margin (natural log units) at which `target` of the history tokens are cold under the rule
     `s < max(sink max, prefix page max) - margin` (bisection on the dequantized scores of the first batch row)."""
@@ -161,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                         cold = _cold_fraction(qb, k_hat, sink_k[:1], scaling, margin)
                         row.update(tau=tau, cold_fraction=cold)
                         hist_bytes -= n_hist * cold * e / 4
-                        if b * HEADS < 132:  # the launcher adds a page-maxima pass over K (see ops.py)
-                            hist_bytes += n_hist * e * (nbits / 8 + 4 / PAGE)
+                        hist_bytes += vprec_pass_bytes(b, n_hist, tuning)  # a first pass over K, or scores
                     fn = lambda v=view, t=tau, qb=qb: _coded_attention_fwd(qb, v, scaling=scaling, v_precision_tau=t, tuning=tuning)  # noqa: E731
                     nbytes = b * (hist_bytes + dense_tail)
                 elif prov == "bf16":

@@ -6,7 +6,11 @@ value groups of 32), disassembles it with the `cuobjdump` that Triton ships, and
 the instructions of the history loop (the body of the hottest backward branch) by opcode, per step and per code
 element (`NP * 32` tokens x 128 channels per step).
 
-    python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec] [--sass out.sass]
+    python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec [--vpipe 1 [--scores 1] [--unroll 1]]]
+        [--sass out.sass]
+
+`ldg_use_distance`: for each global load of the loop, how many instructions later the first instruction that reads
+it issues (across the back-edge; a register copy counts): a load read soon after its issue stalls the warp.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
     consts = dict(
         D=128, PAGE=32, VGROUP=32, KV_FMT=fmt, BLOCK_R=16, BLOCK_T=32, BLOCK_PM=64, USE_VALID=False,
         USE_VPREC=vprec, COUNT=False, READ_PREFIX=False, PAGE_MAX_ONLY=False, IEEE=dtype == "fp32", ROW1=True,
-        NP=pages, **(extra or {}),
+        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False,
     )  # fmt: skip
+    consts.update(extra or {})
     ptr_types = dict(
-        q_ptr=dtype, o_ptr="fp32", lse_ptr="fp32", pmax_ptr="fp32", bound_ptr="i32", valid_ptr="i32", hk_ptr="u8",
+        q_ptr=dtype, o_ptr="fp32", lse_ptr="fp32", pmax_ptr="fp32", sc_ptr="fp32", bound_ptr="i32", valid_ptr="i32", hk_ptr="u8",
         hks_ptr="fp16", hkz_ptr="fp16", hv_ptr="u8", hvl_ptr="u8", hvs_ptr="fp16", hvz_ptr="fp16", stats_ptr="fp32",
     )  # fmt: skip
     # runtime integers of a real launch that are multiples of 16 (the rest are not specialised)
@@ -102,6 +107,45 @@ def hottest_loop(ins):
     return [x for x in ins if best[0] <= x[0] <= best[1]]
 
 
+_REG = re.compile(r"\bR(\d+)(\.64)?\b")
+_NO_DEST = ("ST", "RED", "ATOM", "BRA", "BAR", "EXIT", "WARPSYNC", "BSYNC", "BSSY", "NOP", "DEPBAR", "CALL", "RET")
+
+
+def _regs(text: str, wide: int = 1) -> set[int]:
+    """Register numbers named in `text` (`R8.64` names R8 and R9)."""
+    out = set()
+    for m in _REG.finditer(text):
+        n, w = int(m.group(1)), 2 if m.group(2) else wide
+        out.update(range(n, n + w))
+    return out
+
+
+def load_use_distances(loop):
+    """For each global load (LDG) of the loop: `(position, opcode, distance)`, the distance being the number of loop
+    instructions issued from the load to the first one that reads a register it writes, following the back-edge
+    into the next iteration (None: not read within one trip around the loop). A load consumed a few instructions
+    after its issue stalls its warp for the memory latency; one consumed in the next iteration (a prefetch) does not."""
+    out = []
+    n = len(loop)
+    for i, (_, op, args) in enumerate(loop):
+        if not op.startswith("LDG"):
+            continue
+        wide = 4 if ".128" in op else 2 if ".64" in op else 1
+        dest = _regs(args.split(",")[0], wide)
+        dist = None
+        for k in range(1, n):
+            _, op2, args2 = loop[(i + k) % n]
+            parts = args2.split(",")
+            srcs = ",".join(parts if op2.startswith(_NO_DEST) else parts[1:])
+            if _regs(srcs) & dest:
+                dist = k
+                break
+            if not op2.startswith(_NO_DEST) and parts and _regs(parts[0]) >= dest:
+                break  # overwritten before any read (a masked load's zero fill of the next trip)
+        out.append((i, op, dist))
+    return out
+
+
 def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None):
     cubin, meta = compile_row1(fmt, pages, warps, stages, vprec, dtype, extra)
     sass = sass_of(cubin)
@@ -127,7 +171,9 @@ def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_pa
     return dict(
         fmt=fmt, pages=pages, warps=warps, vprec=vprec, dtype=dtype, total=len(ins), loop=len(loop),
         per_element=len(loop) * warps * 32 / elements, regs=n_regs, stack=n_spills, local_ins=stl,
-        ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None), ops=dict(ops.most_common(16)),
+        ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None),
+        ldg_ops=[op for _, op, _ in loop if op.startswith("LDG")],
+        ldg_use_distance=[d for _, _, d in load_use_distances(loop)], ops=dict(ops.most_common(16)),
     )
 
 
@@ -140,9 +186,16 @@ def main(argv=None):
     p.add_argument("--vprec", action="store_true")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--words", type=int, default=1, help="1: the v4 word path (WORDS), 0: v3")
+    p.add_argument("--vpipe", type=int, default=0, help="1: v5's pipelined V-precision loop (VPIPE, with --vprec)")
+    p.add_argument(
+        "--scores", type=int, default=0, help="1: v5's value pass over stored scores (SCORES + READ_PREFIX; --vpipe 1)"
+    )
+    p.add_argument("--unroll", type=int, default=0, help="1: v5's loop two steps per iteration (VUNROLL; --vpipe 1)")
     p.add_argument("--sass", default=None, help="write the whole SASS here")
     a = p.parse_args(argv)
-    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, {"WORDS": bool(a.words)})
+    extra = {"WORDS": bool(a.words), "VPIPE": bool(a.vpipe), "SCORES": bool(a.scores), "READ_PREFIX": bool(a.scores)}
+    extra["VUNROLL"] = bool(a.unroll)
+    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra)
     for k, v in r.items():
         print(f"{k}: {v}")
 

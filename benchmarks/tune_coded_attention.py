@@ -8,6 +8,10 @@ microseconds and TB/s of bytes read (the same byte count as `bench_coded_attenti
 
     python -m benchmarks.tune_coded_attention --out /tmp/sweep.json \\
         --configs '4,4,1,4' '2,4,1,4' --batches 1 8 32 --contexts 8192 32768
+
+A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5; `scores+unroll` / `pipe+unroll` add
+`vprec_unroll`): `--configs 1,2,1,8,1,scores 1,2,1,8,1,v4 --providers int4 int4-vprec` times int4 once and V
+precision in both modes.
 """
 
 from __future__ import annotations
@@ -144,7 +148,10 @@ def _write(path, dev, rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--configs", nargs="+", default=["4,4,1,4"], help="pages,num_warps,num_stages,programs_per_sm[,words]")
+    p.add_argument(
+        "--configs", nargs="+", default=["4,4,1,4"],
+        help="pages,num_warps,num_stages,programs_per_sm[,words[,vprec]] (vprec: v4 / pipe / scores)",
+    )  # fmt: skip
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
     p.add_argument("--providers", nargs="+", default=["int4"])
@@ -152,6 +159,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: only the checks, under TRITON_INTERPRET=1 (bf16 -> fp32)")
     args = p.parse_args(argv)
+    from benchmarks.bench_coded_attention import vprec_pass_bytes
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     dev = args.device
@@ -164,17 +172,27 @@ def main(argv=None):
     print(f"data {time.time() - t0:.1f}s", flush=True)
     configs = []
     for c in args.configs:
-        pg, nw, st, ps, *wd = (int(x) for x in c.split(","))
+        fields = c.split(",")
+        pg, nw, st, ps, *wd = (int(x) for x in fields[:5])
         tune = dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps, words=bool(wd and wd[0]))
+        if len(fields) > 5:  # ops.VPREC_MODES, "+unroll" for `vprec_unroll`; changes only the int4-vprec provider
+            mode, _, extra = fields[5].partition("+")
+            tune["vprec"] = mode
+            tune["vprec_unroll"] = extra == "unroll"
         configs.append((c, tune))
     if args.baseline:
         configs.insert(0, ("v2", dict(enabled=False)))
     rows = []
     taus = {}
+    done = set()  # (provider, settings it depends on): configs that differ only in `vprec` time int4 / int2 once
     for name, tune in configs:
         for prov in args.providers:
             nbits = 2 if prov == "int2" else 4
             vprec = prov == "int4-vprec"
+            key = (prov, tuple(sorted((k, v) for k, v in tune.items() if vprec or k != "vprec")))
+            if key in done:
+                continue
+            done.add(key)
             t1 = time.time()
             try:
                 chk = check(d, tune, nbits, vprec)
@@ -198,8 +216,7 @@ def main(argv=None):
                         tau, cold = taus[(ctx, b)]
                         row.update(tau=tau, cold_fraction=cold)
                         hist_bytes -= n_hist * cold * E / 4
-                        if b * HEADS < 132:
-                            hist_bytes += n_hist * E * (nbits / 8 + 4 / PAGE)
+                        hist_bytes += vprec_pass_bytes(b, n_hist, tune)
                     nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + 1) * 2 * E * 2)
                     q = d["q"][:b]
 

@@ -261,6 +261,44 @@ def test_dense_settings_match_reference(case, setting):
     """The dense (fp16 / bf16 history) path with other `DENSE_TUNING` tiles: a tile is not a page, so the history's
     split boundaries, tails and bounds must land anywhere inside one."""
     _check(case, torch.float32, tuning={"dense": DENSE_SETTINGS[setting]})
+VPREC_SETTINGS = {
+    "v5-pipe": {"vprec": "pipe"},
+    "v5-pipe-np2": {"vprec": "pipe", "pages": 2},
+    "v5-scores": {"vprec": "scores"},
+    "v5-scores-np2": {"vprec": "scores", "pages": 2},
+    "v5-pipe-unroll": {"vprec": "pipe", "vprec_unroll": True},
+    "v5-scores-unroll": {"vprec": "scores", "vprec_unroll": True},
+}
+"""`ROW1_TUNING["vprec"]` modes of v5 (`ops.VPREC_MODES`): they change only V precision on INT4 history."""
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in ROW1_CASES if c.vprec and c.fmt == 4])
+@pytest.mark.parametrize(
+    "dtype, setting",
+    [(torch.float32, k) for k in VPREC_SETTINGS] + [(torch.float16, k) for k in ("v5-pipe", "v5-scores")],
+    ids=[f"fp32-{k}" for k in VPREC_SETTINGS] + ["fp16-v5-pipe", "fp16-v5-scores"],
+)  # fmt: skip
+def test_vprec_modes_match_reference(case, dtype, setting):
+    """v5's V precision: the pipelined loop (a step's hot set one step ahead, its `lo` words loaded a step ahead) and
+    the score pass (the value pass reads the first pass's scores, not the key codes) give the reference's output,
+    lse and cold count (fp32: exactly the reference's cold set, tau = 4 mixes cold and hot tokens; fp16: the
+    shifted-field reads, at 1 page per step)."""
+    _check(case, dtype, tuning=VPREC_SETTINGS[setting])
+
+
+@pytest.mark.parametrize(
+    "dtype, mode", [(torch.float32, "pipe"), (torch.float32, "scores"), (torch.float16, "pipe"), (torch.float16, "scores")]
+)  # fmt: skip
+def test_vprec_unroll_odd_steps_and_padding(dtype, mode):
+    """`vprec_unroll` (two steps per iteration, two alternating buffers of key inputs): an odd number of steps (5
+    pages, one split: the last iteration's second step reads nothing) and padding inside the history."""
+    _check(Case(hist=160, Hq=2, Hkv=2, B=2, splits=1, pad=True, lean=0.3), dtype, tuning={"vprec": mode, "vprec_unroll": 1})
+
+
+def test_vprec_mode_is_validated():
+    data = _build(Case(hist=40, Hq=1, Hkv=1), torch.float32)
+    with pytest.raises(ValueError, match=r"tuning\['vprec'\]"):
+        _run_kernel(data, tuning={"vprec": "fast"})
 
 
 def test_word_path_falls_back_to_bytes_on_unaligned_codes():
@@ -305,17 +343,24 @@ def test_running_max_crosses_splits():
     stats = torch.zeros(2, dtype=torch.int64)
     ref, _ = _reference(data, stats=stats)
     assert stats[0].item() > 0
-    for ns, words in ((1, False), (2, False), (4, False), (1, True), (4, True)):
+    settings = [(1, {"words": False}), (2, {"words": False}), (4, {"words": False}), (1, {}), (4, {})]
+    settings += [(ns, {"vprec": m, "vprec_unroll": u}) for ns in (1, 4) for m in ("pipe", "scores") for u in (0, 1)]
+    settings += [(None, {"vprec": "scores"})]  # the launcher's own split count (4 pages: 4 splits here)
+    for ns, tune in settings:
         data["case"].splits = ns
         got = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-        out, _ = _run_kernel(data, stats=got, tuning={"words": words})
+        out, _ = _run_kernel(data, stats=got, tuning=tune)
         assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], ns
         assert got.tolist() == stats.tolist(), ns
 
 
-@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+@pytest.mark.parametrize(
+    "tune",
+    [{"words": False}, {"words": True}, {"vprec": "pipe"}, {"vprec": "scores"}, {"vprec": "pipe", "vprec_unroll": 1}],
+    ids=["bytes", "words", "v5-pipe", "v5-scores", "v5-pipe-unroll"],
+)  # fmt: skip
 @pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
-def test_late_maximum_moves_the_softmax_reference(vprec, words):
+def test_late_maximum_moves_the_softmax_reference(vprec, tune):
     """One row per KV head (the elementwise path keeps a lazy softmax reference): a key aligned with the query in the
     last page forces the reference to move after two steps of pages were accumulated; the output must not change."""
     data = _build(Case(hist=320, S=0, Q=1, Hq=1, Hkv=1, splits=1, vprec=vprec), torch.float32)
@@ -324,7 +369,7 @@ def test_late_maximum_moves_the_softmax_reference(vprec, words):
     k[:, :, 300] = data["q"][:, :1, 0] * 6
     data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
     ref, ref_lse = _reference(data)
-    out, lse = _run_kernel(data, tuning={"words": words})
+    out, lse = _run_kernel(data, tuning=tune)
     assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
 
@@ -380,6 +425,14 @@ def test_kernel_matches_reference_gpu(case, dtype):
 @pytest.mark.parametrize("setting", list(ROW1_SETTINGS))
 def test_row1_settings_gpu_sweep(case, setting):
     _check(case, torch.bfloat16, tuning=ROW1_SETTINGS[setting])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_SWEEP if c.fmt == 4 and c.vprec])
+@pytest.mark.parametrize("setting", list(VPREC_SETTINGS))
+def test_vprec_modes_gpu_sweep(case, setting):
+    _check(case, torch.bfloat16, tuning=VPREC_SETTINGS[setting])
 
 
 def test_kernel_refuses_shapes_it_cannot_take():

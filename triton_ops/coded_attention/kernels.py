@@ -326,18 +326,85 @@ def _split8(x):
 
 
 @triton.jit
+def _wscores(b_kw, b_ksf, b_kz, b_q, b_qk, one, KV_FMT: tl.constexpr, FAST: tl.constexpr):
+    """Scores `[NP, PAGE]` (log2 units, unmasked) of one step's key words `b_kw` [NP, PAGE, DW]: the page's key
+    scale `b_ksf` [NP, D] folded into the lane queries (`b_qk`: the query with the fields' powers of two folded in,
+    `_wfield`), its zero `b_kz` into a per-page bias with the plain query `b_q`; one FFMA per code element into a
+    `[NP, PAGE, DW]` tile summed over words once."""
+    NP: tl.constexpr = b_kw.shape[0]
+    PAGE: tl.constexpr = b_kw.shape[1]
+    DW: tl.constexpr = b_kw.shape[2]
+    b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
+    b_qs = b_ksf.to(tl.float32) * b_qk[None, :]  # [NP, D]: query x the page's key scale
+    if FAST:  # the `1` of every f
+        b_bias -= tl.sum(b_qs, axis=1)
+    b_sa = tl.zeros([NP, PAGE, DW], dtype=tl.float32)
+    if KV_FMT == 4:
+        l0, l1, l2, l3, l4, l5, l6, l7 = _split8(tl.reshape(b_qs, [NP, DW, 8]))
+        b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 4, FAST)
+    else:
+        b_e, b_o = tl.split(tl.reshape(b_qs, [NP, DW, 8, 2]))  # even lanes 2j, odd lanes 2j + 1
+        l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_e)
+        b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 2, FAST)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_o)
+        b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 2, 4, 2, FAST)
+    return tl.sum(b_sa, axis=2) + b_bias[:, None]
+
+
+@triton.jit
 def _vstore(p_o, a, b_ws, b_z, b_inv, VSC: tl.constexpr):
     tl.store(p_o, (VSC * (tl.sum(a, axis=0) - b_ws) + b_z) * b_inv)
+
+
+@triton.jit
+def _wfinish(
+    o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+    D: tl.constexpr, KV_FMT: tl.constexpr, FAST: tl.constexpr,
+):
+    """The word path's partial `(o, lse)` of row `o_part` from its per-thread sums (`[T, NG, VW]` value lanes: `a_i`
+    even lanes 2i, `c_i` odd lanes 2i + 1 of each word; `[T, NG]` zero term and `p * scale` sum; `[NP, PAGE]` l)."""
+    NG: tl.constexpr = a0.shape[1]
+    VW: tl.constexpr = a0.shape[2]
+    # FAST: value code = (f - 1) * VSC per lane (`_wfield`'s TGT): lanes 2i (a_i) / 2i + 1 (c_i), i even / odd
+    VA0: tl.constexpr = 256.0 if FAST else 1.0
+    VA1: tl.constexpr = 16.0 if FAST else 1.0
+    VC0: tl.constexpr = (256.0 if KV_FMT == 4 else 64.0) if FAST else 1.0
+    VC1: tl.constexpr = (16.0 if KV_FMT == 4 else 4.0) if FAST else 1.0
+    o_g = tl.arange(0, NG)
+    o_u = tl.arange(0, VW)
+    b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
+    b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    tl.store(lse_ptr + o_part, b_lse)
+    b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
+    p_o = o_ptr + o_part * D + (o_g[:, None] * VW + o_u[None, :]) * 16  # [NG, VW]: lane 0 of each word
+    b_z = tl.sum(b_az, axis=0)[:, None]
+    b_ws = tl.sum(b_wsum, axis=0)[:, None]  # 0 unless FAST
+    _vstore(p_o, a0, b_ws, b_z, b_inv, VA0)
+    _vstore(p_o + 2, a1, b_ws, b_z, b_inv, VA1)
+    _vstore(p_o + 4, a2, b_ws, b_z, b_inv, VA0)
+    _vstore(p_o + 6, a3, b_ws, b_z, b_inv, VA1)
+    _vstore(p_o + 8, a4, b_ws, b_z, b_inv, VA0)
+    _vstore(p_o + 10, a5, b_ws, b_z, b_inv, VA1)
+    _vstore(p_o + 12, a6, b_ws, b_z, b_inv, VA0)
+    _vstore(p_o + 14, a7, b_ws, b_z, b_inv, VA1)
+    _vstore(p_o + 1, c0, b_ws, b_z, b_inv, VC0)
+    _vstore(p_o + 3, c1, b_ws, b_z, b_inv, VC1)
+    _vstore(p_o + 5, c2, b_ws, b_z, b_inv, VC0)
+    _vstore(p_o + 7, c3, b_ws, b_z, b_inv, VC1)
+    _vstore(p_o + 9, c4, b_ws, b_z, b_inv, VC0)
+    _vstore(p_o + 11, c5, b_ws, b_z, b_inv, VC1)
+    _vstore(p_o + 13, c6, b_ws, b_z, b_inv, VC0)
+    _vstore(p_o + 15, c7, b_ws, b_z, b_inv, VC1)
 
 
 @triton.jit
 def _codes_history_row1w(
     b_q, b_run, q_ptr, qk_scale, o_ptr, lse_ptr, pmax_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr,
     hvl_ptr, hvs_ptr, hvz_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh, o_part, i_prog, nh,
-    hist_start, p_begin, p_end, n_pages, margin,
+    hist_start, p_begin, p_end, n_pages, margin, sc_ptr,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
     USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, SCORES: tl.constexpr,
 ):
     """`_codes_history_row1` reading codes as 32-bit words (v4): key words `[NP, PAGE, D * nbits / 32]`, value
     words `[T, groups, VGROUP / 16]` per plane, each word unpacked in registers by shift + LOP3 per field (no byte
@@ -345,17 +412,13 @@ def _codes_history_row1w(
     INT4 value planes are first merged into two words of 4-bit codes (`4 hi + lo`: even and odd fields) with two
     shift + LOP3 per word pair. The next step's codes, scales and zeros are loaded at the top of the step (carried
     into the next), so their latency overlaps this step's arithmetic. Pointers to codes are `int32` pointers already
-    at (b, h_kv); strides of code tensors in words. Same contract and results as `_codes_history_row1`."""
+    at (b, h_kv); strides of code tensors in words. Same contract and results as `_codes_history_row1`. With
+    `PAGE_MAX_ONLY and SCORES` the page-maxima pass also stores every token's score at `sc_ptr` (v5's score pass)."""
     LANES: tl.constexpr = 32 // KV_FMT  # key channels per word: lane j of word w is channel LANES * w + j
     DW: tl.constexpr = D // LANES
     NG: tl.constexpr = D // VGROUP  # value groups per token
     VW: tl.constexpr = VGROUP // 16  # plane words per value group; lane j of word u is channel 16 * u + j
     T: tl.constexpr = NP * PAGE
-    # FAST: value code = (f - 1) * VSC per lane (`_wfield`'s TGT): lanes 2i (a_i) / 2i + 1 (c_i), i even / odd
-    VA0: tl.constexpr = 256.0 if FAST else 1.0
-    VA1: tl.constexpr = 16.0 if FAST else 1.0
-    VC0: tl.constexpr = (256.0 if KV_FMT == 4 else 64.0) if FAST else 1.0
-    VC1: tl.constexpr = (16.0 if KV_FMT == 4 else 4.0) if FAST else 1.0
     o_np = tl.arange(0, NP)
     o_pt = tl.arange(0, PAGE)
     o_w = tl.arange(0, DW)
@@ -425,21 +488,7 @@ def _codes_history_row1w(
         m_pg = o_pg < p_end
         o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]  # [NP, PAGE] history token index
         m_vis = o_t2 < limit
-        b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
-        b_qs = b_ksf.to(tl.float32) * b_qk[None, :]  # [NP, D]: query x the page's key scale
-        if FAST:  # the `1` of every f
-            b_bias -= tl.sum(b_qs, axis=1)
-        b_sa = tl.zeros([NP, PAGE, DW], dtype=tl.float32)
-        if KV_FMT == 4:
-            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(tl.reshape(b_qs, [NP, DW, 8]))
-            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 4, FAST)
-        else:
-            b_e, b_o = tl.split(tl.reshape(b_qs, [NP, DW, 8, 2]))  # even lanes 2j, odd lanes 2j + 1
-            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_e)
-            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 0, 4, 2, FAST)
-            l0, l1, l2, l3, l4, l5, l6, l7 = _split8(b_o)
-            b_sa = _kacc8(b_sa, b_kw, one, l0, l1, l2, l3, l4, l5, l6, l7, 2, 4, 2, FAST)
-        b_s = tl.sum(b_sa, axis=2) + b_bias[:, None]  # [NP, PAGE]
+        b_s = _wscores(b_kw, b_ksf, b_kz, b_q, b_qk, one, KV_FMT, FAST)  # [NP, PAGE]
         if USE_VALID:
             b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
             m_vis = m_vis & b_valid
@@ -447,6 +496,8 @@ def _codes_history_row1w(
         b_pm = tl.max(b_s, axis=1)  # [NP] page maxima
         if PAGE_MAX_ONLY:
             tl.store(pmax_ptr + i_bh * n_pages + o_pg, b_pm, mask=m_pg)
+            if SCORES:  # v5: every token's score (-inf where not read), for the V pass (`_codes_history_row1p`)
+                tl.store(sc_ptr + o_t2, b_s, mask=m_pg[:, None])
         else:
             b_mx = tl.max(b_pm, axis=0)
             if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
@@ -499,32 +550,381 @@ def _codes_history_row1w(
                 a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
                 c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
     if not PAGE_MAX_ONLY:
-        b_l = tl.sum(tl.sum(b_lv, axis=1), axis=0)
-        b_lse = tl.where(b_l > 0, b_mr + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-        tl.store(lse_ptr + o_part, b_lse)
-        b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)
-        p_o = o_ptr + o_part * D + (o_g[:, None] * VW + o_u[None, :]) * 16  # [NG, VW]: lane 0 of each word
-        b_z = tl.sum(b_az, axis=0)[:, None]
-        b_ws = tl.sum(b_wsum, axis=0)[:, None]  # 0 unless FAST
-        _vstore(p_o, a0, b_ws, b_z, b_inv, VA0)
-        _vstore(p_o + 2, a1, b_ws, b_z, b_inv, VA1)
-        _vstore(p_o + 4, a2, b_ws, b_z, b_inv, VA0)
-        _vstore(p_o + 6, a3, b_ws, b_z, b_inv, VA1)
-        _vstore(p_o + 8, a4, b_ws, b_z, b_inv, VA0)
-        _vstore(p_o + 10, a5, b_ws, b_z, b_inv, VA1)
-        _vstore(p_o + 12, a6, b_ws, b_z, b_inv, VA0)
-        _vstore(p_o + 14, a7, b_ws, b_z, b_inv, VA1)
-        _vstore(p_o + 1, c0, b_ws, b_z, b_inv, VC0)
-        _vstore(p_o + 3, c1, b_ws, b_z, b_inv, VC1)
-        _vstore(p_o + 5, c2, b_ws, b_z, b_inv, VC0)
-        _vstore(p_o + 7, c3, b_ws, b_z, b_inv, VC1)
-        _vstore(p_o + 9, c4, b_ws, b_z, b_inv, VC0)
-        _vstore(p_o + 11, c5, b_ws, b_z, b_inv, VC1)
-        _vstore(p_o + 13, c6, b_ws, b_z, b_inv, VC0)
-        _vstore(p_o + 15, c7, b_ws, b_z, b_inv, VC1)
+        _wfinish(
+            o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5,
+            c6, c7, D, KV_FMT, FAST,
+        )  # fmt: skip
         if COUNT:
             tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
+
+
+@triton.jit
+def _vprec_classify(b_s, m_vis, b_run, margin):
+    """V precision over one step's scores `b_s` [NP, PAGE] (log2 units, -inf where not read): each page's running
+    maximum (the carried `b_run`, then the prefix of the step's page maxima up to the page itself) and the hot mask
+    `s >= running - margin`. Returns `(m_hot, b_run after the step, the step's maximum)`."""
+    NP: tl.constexpr = b_s.shape[0]
+    o_np = tl.arange(0, NP)
+    b_pm = tl.max(b_s, axis=1)  # [NP] page maxima
+    b_mx = tl.max(b_pm, axis=0)
+    b_pre = tl.max(tl.where(o_np[None, :] <= o_np[:, None], b_pm[None, :], float("-inf")), axis=1)
+    b_runp = tl.maximum(b_pre, b_run)
+    m_hot = m_vis & (b_s >= b_runp[:, None] - margin)
+    return m_hot, tl.maximum(b_run, b_mx), b_mx
+
+
+@triton.jit
+def _vp_scores_ahead(
+    i0, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt, stride_hksp, hist_start,
+    limit, p_end, b_run, margin, kw, ks, kz, vd, sc, cnt_c, cnt_a,
+    D: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, USE_VALID: tl.constexpr, COUNT: tl.constexpr,
+    SCORES: tl.constexpr, FAST: tl.constexpr,
+):
+    """Unrolled `_codes_history_row1p` (`VUNROLL`), first half of a step: step `k + 1`'s scores (step `k` starts at
+    page `i0`) from its inputs `kw, ks, kz, vd` (or `sc` with `SCORES`), its running maxima, hot set and counts;
+    then the same buffer reloaded with step `k + 3`'s inputs (two buffers alternate, so the load writes the
+    registers the scores just freed and is read two steps later). The key scales / zeros load one 2-byte element
+    at a time (offsets whose alignment the compiler cannot prove): loaded 4 bytes at a time, ptxas repacks them
+    into the loop-carried registers a few hundred instructions after the load and waits for it there."""
+    o_np = tl.arange(0, NP)
+    o_pt = tl.arange(0, PAGE)
+    o_w = tl.arange(0, D // 8)
+    o_d = tl.arange(0, D)
+    o_pg = i0 + NP + o_np
+    o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+    if SCORES:
+        b_s1 = sc
+        m_vis1 = b_s1 > float("-inf")
+    else:
+        m_vis1 = o_t2 < limit
+        if USE_VALID:
+            m_vis1 = m_vis1 & (vd != 0)
+        b_s1 = tl.where(m_vis1, _wscores(kw, ks, kz, b_q, b_qk, one, 4, FAST), float("-inf"))
+    m_hot1, b_run, b_mx1 = _vprec_classify(b_s1, m_vis1, b_run, margin)
+    if COUNT:
+        cnt_a += m_vis1.to(tl.int32)
+        cnt_c += (m_vis1 & ~m_hot1).to(tl.int32)
+    o_pg3 = o_pg + 2 * NP  # step k + 3
+    o_t23 = o_pg3[:, None] * PAGE + o_pt[None, :]
+    if SCORES:
+        sc = tl.load(sc_ptr + o_t23, mask=o_t23 < limit, other=float("-inf"))
+    else:
+        o_t3 = o_t23[:, :, None]
+        kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+        o_du = o_d + (p_end < 0).to(tl.int32)  # = o_d (p_end >= 0), alignment unknown to the compiler
+        m_pg3 = (o_pg3 < p_end)[:, None]
+        ks = tl.load(hks_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :], mask=m_pg3, other=0.0)
+        kz = tl.load(hkz_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :], mask=m_pg3, other=0.0)
+        if USE_VALID:
+            vd = tl.load(p_valid + (hist_start + o_t23) * stride_validt, mask=o_t23 < limit, other=0)
+    return b_s1, m_hot1, b_mx1, b_run, cnt_c, cnt_a, kw, ks, kz, vd, sc
+
+
+@triton.jit
+def _vp_values(
+    i0, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7,
+    c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit,
+    D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, NP: tl.constexpr, FAST: tl.constexpr,
+):
+    """Unrolled `_codes_history_row1p` (`VUNROLL`), second half of a step: step `k`'s planes merged into 4-bit
+    codes, step `k + 1`'s `hi` / `lo` words loaded (`lo` masked by its hot set `m_hot1`), step `k`'s value sums
+    (the lazy softmax reference moved on its maximum). Same arithmetic as the loop of `_codes_history_row1p`."""
+    NG: tl.constexpr = D // VGROUP
+    VW: tl.constexpr = VGROUP // 16
+    T: tl.constexpr = NP * PAGE
+    o_g = tl.arange(0, NG)
+    o_u = tl.arange(0, VW)
+    o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]
+    b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
+    b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+    o_t1 = (i0 + NP) * PAGE + tl.arange(0, T)
+    m_t1 = o_t1 < limit
+    o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+    n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+    n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
+    if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+        b_alpha = tl.exp2(b_mr - b_mx)
+        b_lv *= b_alpha
+        a0, a1, a2, a3, a4, a5, a6, a7 = (
+            a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha, a6 * b_alpha,
+            a7 * b_alpha,
+        )  # fmt: skip
+        c0, c1, c2, c3, c4, c5, c6, c7 = (
+            c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha, c6 * b_alpha,
+            c7 * b_alpha,
+        )  # fmt: skip
+        b_az *= b_alpha
+        b_wsum *= b_alpha
+        b_mr = b_mx
+    b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+    b_lv += b_p
+    b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+    b_p1 = tl.reshape(b_p, [T])
+    b_vsf = b_vs.to(tl.float32)
+    b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
+    b_az += b_p1[:, None] * b_vz.to(tl.float32) + 1.5 * b_pc[:, None] * b_vsf  # cold: the hi bucket's midpoint
+    if FAST:
+        b_wsum += b_w
+    b_w3 = b_w[:, :, None]
+    a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+    return (
+        b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl,
+    )  # fmt: skip
+
+
+@triton.jit
+def _codes_history_row1p(
+    b_q, b_run, o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr,
+    sc_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, i_prog, nh, hist_start, p_begin,
+    p_end, margin,
+    D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, NP: tl.constexpr, USE_VALID: tl.constexpr,
+    COUNT: tl.constexpr, SCORES: tl.constexpr, FAST: tl.constexpr, VUNROLL: tl.constexpr,
+):
+    """V precision over INT4 words, software-pipelined (v5): the history loop of `_codes_history_row1w` with
+    `USE_VPREC`, reordered so that the `lo` plane is loaded one step ahead like every other tile.
+
+    The `lo` load of a step is masked by that step's hot set, which needs its scores. v4 computed a step's scores,
+    then loaded its `lo` words and read them ~30 instructions later (the one load per step whose latency was
+    exposed). Here iteration `k` (1) loads step `k + 2`'s key scales / zeros (padding; with `SCORES`, its stored
+    scores) and step `k + 1`'s value scales / zeros, (2) computes step `k + 1`'s scores from the key words loaded
+    one iteration earlier, its running maxima and hot set, (3) loads step `k + 2`'s key words, (4) merges step `k`'s
+    planes into 4-bit codes and loads step `k + 1`'s `hi` and `lo` words (`lo` 0 where cold), then (5) accumulates
+    step `k`'s values. Every load is thus read about an iteration later (SASS for sm_90: >= 300 instructions of a
+    544-instruction step; a load issued while the value it replaces is live makes ptxas copy it into the
+    loop-carried registers, and that copy waits for the load, hence the order). The running maximum advances in page
+    order (the prologue classifies step 0), so the cold set is v4's; the lazy softmax reference moves at step `k`'s
+    accumulation, as in v4.
+
+    `SCORES`: the scores come from `sc_ptr` (the page-maxima pass wrote them, `-inf` where not read), so this pass
+    reads no key codes at all (v5's split path: the launcher's second pass over K is gone). Pointers at (b, h_kv)
+    (codes as int32 words, strides in words; `sc_ptr` at the row's first history token).
+
+    `VUNROLL`: two steps per iteration with two buffers of step inputs (`_vp_scores_ahead`, `_vp_values`), so the
+    key inputs are loaded three steps ahead instead of two without a register copy (opt-in, `vprec_unroll`)."""
+    LANES: tl.constexpr = 8  # INT4 key channels per word
+    DW: tl.constexpr = D // LANES
+    NG: tl.constexpr = D // VGROUP
+    VW: tl.constexpr = VGROUP // 16
+    T: tl.constexpr = NP * PAGE
+    o_np = tl.arange(0, NP)
+    o_pt = tl.arange(0, PAGE)
+    o_w = tl.arange(0, DW)
+    o_d = tl.arange(0, D)
+    o_tt = tl.arange(0, T)
+    o_g = tl.arange(0, NG)
+    o_u = tl.arange(0, VW)
+    o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]  # [1, NG, VW] word of the value plane
+    limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
+    b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
+    b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
+    z3 = tl.zeros([T, NG, VW], dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = z3, z3, z3, z3, z3, z3, z3, z3  # even value lanes 0, 2, .., 14
+    c0, c1, c2, c3, c4, c5, c6, c7 = z3, z3, z3, z3, z3, z3, z3, z3  # odd value lanes 1, 3, .., 15
+    b_az = tl.zeros([T, NG], dtype=tl.float32)  # p * zero + 1.5 * p * scale of cold tokens
+    b_wsum = tl.zeros([T, NG], dtype=tl.float32)  # p * scale (FAST: the `1` of every f)
+    if COUNT:
+        b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
+        b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
+    one = (tl.max(b_q * 0.0, axis=0) + 1.0).to(tl.int32, bitcast=True)  # 0x3F800000, not a compile-time constant
+    if FAST:  # code = (f - 1) * 2**(23 - TGT) with TGT of the channel's field (`_wfield`): folded into the query
+        b_qk = b_q * (1 << (8 - 4 * ((o_d % LANES) % 2))).to(tl.float32)
+    else:
+        b_qk = b_q
+
+    # prologue: step 0's scores, hot set and value tiles; step 1's inputs
+    o_pg = p_begin + o_np
+    o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+    if SCORES:
+        b_s = tl.load(sc_ptr + o_t2, mask=o_t2 < limit, other=float("-inf"))
+        m_vis = b_s > float("-inf")
+    else:
+        o_t3 = o_t2[:, :, None]
+        b_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+        b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+        b_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+        m_vis = o_t2 < limit
+        if USE_VALID:
+            m_vis = m_vis & (tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0)
+        b_s = tl.where(m_vis, _wscores(b_kw, b_ks, b_kz, b_q, b_qk, one, 4, FAST), float("-inf"))
+    m_hot, b_run, b_mx = _vprec_classify(b_s, m_vis, b_run, margin)
+    if COUNT:
+        b_cnt_all += m_vis.to(tl.int32)
+        b_cnt_cold += (m_vis & ~m_hot).to(tl.int32)
+    o_t1 = p_begin * PAGE + o_tt
+    m_t1 = o_t1 < limit
+    o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+    b_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+    b_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot, [T]))[:, None, None], other=0)  # 0 where cold
+    o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+    b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+    b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+    o_pg = p_begin + NP + o_np
+    o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+    if SCORES:
+        n_s = tl.load(sc_ptr + o_t2, mask=o_t2 < limit, other=float("-inf"))
+    else:
+        o_t3 = o_t2[:, :, None]
+        n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+        n_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+        n_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+        if USE_VALID:
+            n_vd = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=o_t2 < limit, other=0)
+
+    if VUNROLL:
+        # two buffers of step inputs alternate (x: step k + 1, y: step k + 2), each reloaded with the inputs two steps
+        # further right after its scores (`_vp_scores_ahead`): no register copy, every load read >= ~500 SASS later
+        dz = tl.zeros([NP, PAGE], dtype=tl.int32)  # stands for the inputs a mode does not read
+        if not COUNT:
+            b_cnt_cold = dz
+            b_cnt_all = dz
+        o_pg = p_begin + 2 * NP + o_np
+        o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+        if SCORES:
+            x_kw, x_ks, x_kz, x_vd, x_s = dz, dz, dz, dz, n_s
+            y_kw, y_ks, y_kz, y_vd = dz, dz, dz, dz
+            y_s = tl.load(sc_ptr + o_t2, mask=o_t2 < limit, other=float("-inf"))
+        else:
+            x_kw, x_ks, x_kz, x_vd, x_s = n_kw, n_ks, n_kz, dz, dz.to(tl.float32)
+            o_t3 = o_t2[:, :, None]
+            y_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+            m_pgy = (o_pg < p_end)[:, None]
+            y_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pgy, other=0.0)
+            y_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pgy, other=0.0)
+            y_vd, y_s = dz, x_s
+            if USE_VALID:
+                x_vd = n_vd
+                y_vd = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=o_t2 < limit, other=0)
+        for i_p0 in range(p_begin, p_end, 2 * NP):
+            # step k (pages from i_p0): scores of k + 1 from buffer x, values of k
+            o_t1 = (i_p0 + NP) * PAGE + o_tt
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            b_s1, m_hot1, b_mx1, b_run, b_cnt_cold, b_cnt_all, x_kw, x_ks, x_kz, x_vd, x_s = _vp_scores_ahead(
+                i_p0, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt,
+                stride_hksp, hist_start, limit, p_end, b_run, margin, x_kw, x_ks, x_kz, x_vd, x_s, b_cnt_cold,
+                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST,
+            )  # fmt: skip
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl = (
+                _vp_values(
+                    i_p0, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3,
+                    a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit, D, PAGE,
+                    VGROUP, NP, FAST,
+                )
+            )  # fmt: skip
+            b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+            # step k + 1: scores of k + 2 from buffer y, values of k + 1
+            o_t1 = (i_p0 + 2 * NP) * PAGE + o_tt
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            b_s1, m_hot1, b_mx1, b_run, b_cnt_cold, b_cnt_all, y_kw, y_ks, y_kz, y_vd, y_s = _vp_scores_ahead(
+                i_p0 + NP, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt,
+                stride_hksp, hist_start, limit, p_end, b_run, margin, y_kw, y_ks, y_kz, y_vd, y_s, b_cnt_cold,
+                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST,
+            )  # fmt: skip
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl = (
+                _vp_values(
+                    i_p0 + NP, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1,
+                    a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit,
+                    D, PAGE, VGROUP, NP, FAST,
+                )
+            )  # fmt: skip
+            b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+    else:
+        for i_p0 in range(p_begin, p_end, NP):
+            o_pg = i_p0 + NP + o_np  # step k + 1
+            o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
+            o_pg2 = o_pg + NP  # step k + 2
+            o_t22 = o_pg2[:, None] * PAGE + o_pt[None, :]
+            # (1) loads that need no score: step k + 2's key scales, zeros (and padding), step k + 1's value scales,
+            # zeros. (The carried values they replace are still live, so ptxas copies the new ones into the carried
+            # registers once those die, and the copy waits for the load: issued here, the wait comes after step k + 1's
+            # scores (key tiles) or step k's sums (value tiles).)
+            if SCORES:
+                n_s2 = tl.load(sc_ptr + o_t22, mask=o_t22 < limit, other=float("-inf"))
+            else:
+                m_pg2 = (o_pg2 < p_end)[:, None]
+                n_ks2 = tl.load(hks_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
+                n_kz2 = tl.load(hkz_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
+                if USE_VALID:
+                    n_vd2 = tl.load(p_valid + (hist_start + o_t22) * stride_validt, mask=o_t22 < limit, other=0)
+            o_t1 = (i_p0 + NP) * PAGE + o_tt
+            m_t1 = o_t1 < limit
+            o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+            n_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+            # (2) step k + 1's scores (from inputs loaded one iteration ago), running maxima, hot set
+            if SCORES:
+                b_s1 = n_s
+                m_vis1 = b_s1 > float("-inf")
+            else:
+                m_vis1 = o_t2 < limit
+                if USE_VALID:
+                    m_vis1 = m_vis1 & (n_vd != 0)
+                b_s1 = tl.where(m_vis1, _wscores(n_kw, n_ks, n_kz, b_q, b_qk, one, 4, FAST), float("-inf"))
+            m_hot1, b_run, b_mx1 = _vprec_classify(b_s1, m_vis1, b_run, margin)
+            if COUNT:
+                b_cnt_all += m_vis1.to(tl.int32)
+                b_cnt_cold += (m_vis1 & ~m_hot1).to(tl.int32)
+            # (3) step k + 2's key words, loaded once step k + 1's are consumed (into the same registers: no copy)
+            if SCORES:
+                n_s = n_s2
+            else:
+                o_t3 = o_t22[:, :, None]
+                n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+                n_ks, n_kz = n_ks2, n_kz2
+                if USE_VALID:
+                    n_vd = n_vd2
+            # (4) step k's 4-bit codes 4 hi + lo (even fields: hi's bits moved up by 2; odd fields: lo's moved down),
+            # merged before step k + 1's plane words are loaded (into the same registers, for the same reason):
+            # `lo` masked by step k + 1's hot set (0 where cold), in flight until the next iteration's merge
+            b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
+            b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+            o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+            n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+            n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
+            # (5) step k's values
+            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+                b_alpha = tl.exp2(b_mr - b_mx)
+                b_lv *= b_alpha
+                a0, a1, a2, a3, a4, a5, a6, a7 = (
+                    a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
+                    a6 * b_alpha, a7 * b_alpha,
+                )  # fmt: skip
+                c0, c1, c2, c3, c4, c5, c6, c7 = (
+                    c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
+                    c6 * b_alpha, c7 * b_alpha,
+                )  # fmt: skip
+                b_az *= b_alpha
+                b_wsum *= b_alpha
+                b_mr = b_mx
+            b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
+            b_lv += b_p
+            b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
+            b_p1 = tl.reshape(b_p, [T])
+            b_vsf = b_vs.to(tl.float32)
+            b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
+            b_az += b_p1[:, None] * b_vz.to(tl.float32) + 1.5 * b_pc[:, None] * b_vsf  # cold: the hi bucket's midpoint
+            if FAST:
+                b_wsum += b_w
+            b_w3 = b_w[:, :, None]
+            a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+            # step k + 1 becomes the current step
+            b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
+            b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
+    _wfinish(
+        o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6,
+        c7, D, 4, FAST,
+    )  # fmt: skip
+    if COUNT:
+        tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
+        tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
 
 
 @triton.jit
@@ -588,6 +988,7 @@ def _coded_attention_fwd_kernel(
     o_ptr,
     lse_ptr,
     pmax_ptr,
+    sc_ptr,  # v5 (SCORES): every history token's score [B * H_kv, n_pages * PAGE] fp32, from the page-maxima pass
     bound_ptr,
     valid_ptr,
     len_ptr,  # DEV_LEN: the cached length, read on the device (else `n_start`)
@@ -674,6 +1075,9 @@ def _coded_attention_fwd_kernel(
     NP: tl.constexpr = 4,
     WORDS: tl.constexpr = False,
     DEV_LEN: tl.constexpr = False,
+    VPIPE: tl.constexpr = False,
+    SCORES: tl.constexpr = False,
+    VUNROLL: tl.constexpr = False,
 ):
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
@@ -749,8 +1153,22 @@ def _coded_attention_fwd_kernel(
                 b_run1 = tl.max(tl.where(o_r == 0, b_run, float("-inf")), axis=0)
             else:
                 b_run1 = 0.0
-            if WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
-                i32p: tl.constexpr = tl.pointer_type(tl.int32)
+            i32p: tl.constexpr = tl.pointer_type(tl.int32)
+            p_sc = sc_ptr + i_bh * (n_pages * PAGE)  # the row's scores (v5; rows = 1)
+            if WORDS and VPIPE and USE_VPREC and not PAGE_MAX_ONLY:  # v5: V precision with lo loaded a step ahead
+                _codes_history_row1p(
+                    b_q1, b_run1, o_ptr, lse_ptr, p_valid, stride_validt,
+                    (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
+                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                    (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
+                    (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
+                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    p_sc, stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
+                    (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
+                    tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, margin,
+                    D, PAGE, VGROUP, NP, USE_VALID, COUNT, SCORES, not IEEE, VUNROLL,
+                )  # fmt: skip
+            elif WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
                 _codes_history_row1w(
                     b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, qk_scale, o_ptr, lse_ptr,
                     pmax_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
@@ -760,8 +1178,8 @@ def _coded_attention_fwd_kernel(
                     hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
                     stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, i_bh,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
-                    tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, margin,
-                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
+                    tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, margin, p_sc,
+                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, SCORES,
                 )  # fmt: skip
             else:
                 _codes_history_row1(

@@ -32,13 +32,31 @@ __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
 
-ROW1_TUNING = {"enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True}
+ROW1_TUNING = {
+    "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True, "vprec": "v4",
+    "vprec_fill": 4, "vprec_unroll": False,
+}  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
 device, and `words`: read codes as 32-bit words with the next step's tiles loaded ahead (`kernels._codes_history_row1w`,
 v4) instead of bytes (v3). v4 default: words, 1 page per step, 2 warps (fewest SASS instructions per code element for
 sm_90: 4.4 against v3's 7.0 with bytes, 2 pages, 2 warps, which `{"words": False, "pages": 2}` restores; H200 sweeps
-and counts: `benchmarks/notes_coded_attention.md`)."""
+and counts: `benchmarks/notes_coded_attention.md`).
+
+`vprec` picks how the word path runs V precision (INT4 history, one query row per KV head; see `VPREC_MODES`):
+`"v4"` (the default until v5 is timed on the GPU), `"pipe"` or `"scores"` (v5); `vprec_fill`: with `"scores"`,
+the row blocks per SM from which V precision keeps one split per row block (fewer: splits and the score pass);
+`vprec_unroll`: v5's loop with two steps per iteration (key inputs loaded a step further ahead; not yet timed)."""
+
+VPREC_MODES = ("v4", "pipe", "scores")
+"""V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
+exposed), one split per row block once the batch fills the SMs, else a page-maxima pass over the key codes before
+the value pass (K read twice); `pipe` (v5): the same launches with the loop software-pipelined (a step's scores and
+hot set one step ahead of its value sums, so `lo` is loaded a step ahead, `kernels._codes_history_row1p`);
+`scores` (v5): below `vprec_fill` row blocks per SM, the split count of plain INT4, the first pass writes every
+token's score (fp32) with the page maxima and the value pass reads those scores instead of the key codes (`pipe`'s
+loop without key work); from `vprec_fill` row blocks per SM on, or with a single split, it runs `pipe`. Every mode
+gives the reference's cold set and output."""
 
 DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 """Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
@@ -116,7 +134,13 @@ def _coded_attention_fwd(
     if words:
         code_ts = [hk, hv] + ([hvl] if hvl is not None else [])
         words = all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in code_ts)
+    vmode = tune.get("vprec", "v4")
+    if vmode not in VPREC_MODES:
+        raise ValueError(f"`tuning['vprec']` must be one of {VPREC_MODES}, got {vmode!r}")
+    vpipe = use_vprec and words and vmode in ("pipe", "scores")
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
+    if vpipe and tune.get("vprec_unroll"):
+        step *= 2  # two steps per iteration (`kernels._codes_history_row1p`, VUNROLL)
     if n_pages == 0:
         ns = 0
     elif num_splits is not None:
@@ -124,8 +148,11 @@ def _coded_attention_fwd(
     else:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
         per_sm = tune["programs_per_sm"] if row1 else (4 if fmt else dense["programs_per_sm"])
-        if use_vprec and base >= sms:
-            ns = 1  # one split per row block keeps the running maximum exact without a page-max pass
+        # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
+        # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
+        fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
+        if use_vprec and base >= fill * sms:
+            ns = 1
         else:
             ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base)))
     pps = -(-n_pages // ns) if ns else 0
@@ -133,11 +160,13 @@ def _coded_attention_fwd(
         pps = -(-pps // step) * step
     ns = -(-n_pages // pps) if ns else 0
     read_prefix = use_vprec and ns > 1
+    scores = read_prefix and vpipe and vmode == "scores"  # v5: the first pass also writes every token's score
     bound = view.history_end
     key_valid = view.key_valid
     o_part = torch.empty(ns + 1, b * hkv, rows, d, dtype=torch.float32, device=dev)
     lse_part = torch.empty(ns + 1, b * hkv, rows, dtype=torch.float32, device=dev)
     pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
+    sc = torch.empty(b * hkv, n_pages * page, dtype=torch.float32, device=dev) if scores else lse_part
     valid = key_valid if key_valid is not None else bound
     stats_part = torch.zeros(max(ns, 1) * b * hkv * n_rblocks, 2, dtype=torch.int32, device=dev) if count else lse_part
 
@@ -147,6 +176,7 @@ def _coded_attention_fwd(
             o_ptr=o_part,
             lse_ptr=lse_part,
             pmax_ptr=pmax,
+            sc_ptr=sc,
             bound_ptr=bound,
             valid_ptr=valid,
             len_ptr=view.length if static else bound,
@@ -211,6 +241,9 @@ def _coded_attention_fwd(
             NP=tune["pages"],
             WORDS=words,
             DEV_LEN=static,
+            VPIPE=vpipe,
+            SCORES=scores,
+            VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
         )
 
     if row1:
