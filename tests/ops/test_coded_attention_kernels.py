@@ -261,6 +261,8 @@ def test_dense_settings_match_reference(case, setting):
     """The dense (fp16 / bf16 history) path with other `DENSE_TUNING` tiles: a tile is not a page, so the history's
     split boundaries, tails and bounds must land anywhere inside one."""
     _check(case, torch.float32, tuning={"dense": DENSE_SETTINGS[setting]})
+
+
 VPREC_SETTINGS = {
     "v5-pipe": {"vprec": "pipe"},
     "v5-pipe-np2": {"vprec": "pipe", "pages": 2},
