@@ -252,6 +252,23 @@ def test_row1_settings_match_reference(case, dtype, setting):
 
 
 DENSE_CASES = [c for c in CPU_CASES if not c.fmt]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.id())
+        for c in (
+            Case(hist=70, Hq=2, Hkv=1, D=48, fmt=0, Q=3, pad=True, B=2, splits=2),
+            Case(hist=100, Hq=2, Hkv=2, D=96, fmt=0, S=0),
+        )
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dense_head_dims_that_are_no_power_of_two(case, dtype):
+    """A dense history with a head dim that is no power of two (Huginn-0125's 96) is read in zero-padded tiles of the
+    next power of two: the padded columns add nothing to the scores and are not written to the output."""
+    _check(case, dtype)
 DENSE_SETTINGS = {"tile16": {"tile": 16, "programs_per_sm": 2}, "tile64": {"tile": 64, "num_warps": 8, "num_stages": 2}}
 
 
@@ -445,6 +462,10 @@ def test_kernel_refuses_shapes_it_cannot_take():
     assert "head_dim 32" in _kernel_supports(data["q"], _view(data, torch.float32))
     data = _build(Case(hist=40, D=64, fmt=0), torch.float32)
     assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
+    data = _build(Case(hist=40, D=96, fmt=0), torch.float32)  # dense: padded tiles
+    assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
+    data = _build(Case(hist=40, D=96), torch.float32)  # codes: powers of two only
+    assert "head_dim 96" in _kernel_supports(data["q"], _view(data, torch.float32))
     data = _build(Case(hist=40, D=64), torch.float32)
     assert _kernel_supports(data["q"].double(), _view(data, torch.float64)) is not None
     # V precision over more than 16 query rows per KV head goes to the reference (not validated on the GPU)
@@ -473,7 +494,7 @@ def test_merge_of_split_partials(ns):
     lse = torch.empty(b, hkv * g, q, device=DEVICE)
     _coded_attention_merge_kernel[(rows, d // 32)](
         o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        H_KV=hkv, G=g, Q=q, NS=ns, n_bh_rows=rows, D=d, BLOCK_S=min(128, triton.next_power_of_2(ns + 1)), BLOCK_D=32,
+        H_KV=hkv, G=g, Q=q, NS=ns, n_bh_rows=rows, D=d, DH=d, BLOCK_S=min(128, triton.next_power_of_2(ns + 1)), BLOCK_D=32,
     )  # fmt: skip
     w = torch.softmax(lse_part * math.log(2), dim=0)  # partials' lse in log2 units, the output's in natural units
     want = (w[..., None] * o_part).sum(0).view(b, hkv, g, q, d).reshape(b, hkv * g, q, d)

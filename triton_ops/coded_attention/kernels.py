@@ -928,6 +928,17 @@ def _codes_history_row1p(
 
 
 @triton.jit
+def _dmask(m, o_d, DH: tl.constexpr, D: tl.constexpr):
+    """A load mask `m` (`[N, 1]`) with the head-dim mask when the tile is padded (`DH < D`: a head dim that is no
+    power of two, e.g. Huginn-0125's 96, read in tiles of 128); `m` itself otherwise (no per-column mask, which
+    would cost the loads their vector width)."""
+    if DH < D:
+        return m & (o_d < DH)[None, :]
+    else:
+        return m
+
+
+@triton.jit
 def _attend_dense(
     b_q,
     b_m,
@@ -952,6 +963,7 @@ def _attend_dense(
     IEEE: tl.constexpr,
     MAX_ONLY: tl.constexpr,
     RING: tl.constexpr = False,
+    DH: tl.constexpr = None,
 ):
     """Online softmax over a dense segment of `length` positions `pos0 ..`; row r sees `b_lo[r] <= pos < b_hi[r]`
     (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed).
@@ -966,7 +978,7 @@ def _attend_dense(
             m_t = m_t & (o_pos >= 0)
         else:
             o_pos = pos0 + o_t
-        b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + o_d[None, :], mask=m_t[:, None], other=0.0)  # [BT, D]
+        b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + o_d[None, :], mask=_dmask(m_t[:, None], o_d, DH, D), other=0.0)
         b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale  # [BR, BT]
         m_vis = m_t[None, :] & m_row[:, None] & (o_pos[None, :] >= b_lo[:, None]) & (o_pos[None, :] < b_hi[:, None])
         if USE_VALID:
@@ -977,7 +989,7 @@ def _attend_dense(
             b_m = tl.maximum(b_m, tl.max(b_s, axis=1))
         else:
             b_m, b_l, b_acc, b_p = _online_update(b_s, b_m, b_l, b_acc)
-            b_v = tl.load(v_ptr + o_t[:, None] * stride_vt + o_d[None, :], mask=m_t[:, None], other=0.0)
+            b_v = tl.load(v_ptr + o_t[:, None] * stride_vt + o_d[None, :], mask=_dmask(m_t[:, None], o_d, DH, D), other=0.0)
             b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
     return b_m, b_l, b_acc
 
@@ -1059,6 +1071,7 @@ def _coded_attention_fwd_kernel(
     qk_scale,
     margin,
     D: tl.constexpr,
+    DH: tl.constexpr,
     PAGE: tl.constexpr,
     VGROUP: tl.constexpr,
     KV_FMT: tl.constexpr,
@@ -1091,7 +1104,7 @@ def _coded_attention_fwd_kernel(
     o_g, o_i = o_r // Q, o_r % Q
     o_d = tl.arange(0, D)
     p_q = q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None], other=0.0)  # [BR, D]
+    b_q = tl.load(p_q, mask=_dmask(m_row[:, None], o_d, DH, D), other=0.0)  # [BR, D] (zero past DH)
     b_bound = tl.load(bound_ptr + i_b * stride_bb + o_i * stride_bq, mask=m_row, other=0).to(tl.int32)  # history positions < bound, window positions >= bound
     b_own = n_start + o_i
     p_valid = valid_ptr + i_b * stride_validb
@@ -1106,18 +1119,18 @@ def _coded_attention_fwd_kernel(
             sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
             b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
             IEEE, False,
-        )  # fmt: skip
+         DH=DH,)  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
             wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W,
             n_start if DEV_LEN else w_start, b_bound, b_zero + (n_start if DEV_LEN else w_start + W), b_own, m_row,
             p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False, DEV_LEN,
-        )  # fmt: skip
+         DH=DH,)  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,
             nv_ptr + i_b * stride_nvb + i_hk * stride_nvh, stride_nkt, stride_nvt, Q, n_start, b_zero + n_start,
             b_own + 1, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
-        )  # fmt: skip
+         DH=DH,)  # fmt: skip
         _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
     else:
         p_begin = i_s * pages_per_split
@@ -1135,7 +1148,7 @@ def _coded_attention_fwd_kernel(
                 sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
                 b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
                 IEEE, True,
-            )  # fmt: skip
+             DH=DH,)  # fmt: skip
             if READ_PREFIX:
                 p_pm = pmax_ptr + (i_bh * (G * Q) + o_r)[:, None] * n_pages
                 p_seen = tl.minimum(p_begin, n_live)  # page maxima written by the earlier splits
@@ -1203,10 +1216,10 @@ def _coded_attention_fwd_kernel(
                 if USE_VALID:
                     b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
                     m_vis = m_vis & b_valid[None, :]
-                b_k = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0.0)  # [P, D]
+                b_k = tl.load(p_k + o_t[:, None] * stride_hkt, mask=_dmask(m_t[:, None], o_d, DH, D), other=0.0)
                 b_s = tl.where(m_vis, _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE) * qk_scale, float("-inf"))
                 b_m, b_l, b_acc, b_p = _online_update(b_s, b_m, b_l, b_acc)
-                b_v = tl.load(p_v + o_t[:, None] * stride_hvt, mask=m_t[:, None], other=0.0)
+                b_v = tl.load(p_v + o_t[:, None] * stride_hvt, mask=_dmask(m_t[:, None], o_d, DH, D), other=0.0)
                 b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
             _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc, o_d, m_row, D)
         else:
@@ -1321,6 +1334,7 @@ def _coded_attention_merge_kernel(
     NS,
     n_bh_rows,
     D: tl.constexpr,
+    DH: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -1350,6 +1364,6 @@ def _coded_attention_merge_kernel(
         b_acc += tl.sum(b_w[:, None] * b_o, axis=0)
     b_total = tl.sum(b_sum, axis=0)
     p_out = out_ptr + i_b * stride_ob + i_hq * stride_oh + i_q * stride_oq + o_d
-    tl.store(p_out, (b_acc / b_total).to(out_ptr.dtype.element_ty))
+    tl.store(p_out, (b_acc / b_total).to(out_ptr.dtype.element_ty), mask=o_d < DH)  # partials padded to D columns
     if i_dc == 0:
         tl.store(lse_ptr + i_b * stride_lb + i_hq * stride_lh + i_q, (b_mx + tl.log2(b_total)) * _LN2)

@@ -33,8 +33,8 @@ __all__ = ["coded_attention"]
 _LOG2E = 1.4426950408889634
 
 ROW1_TUNING = {
-    "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True, "vprec": "v4",
-    "vprec_fill": 4, "vprec_unroll": False,
+    "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
+    "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -44,8 +44,11 @@ sm_90: 4.4 against v3's 7.0 with bytes, 2 pages, 2 warps, which `{"words": False
 and counts: `benchmarks/notes_coded_attention.md`).
 
 `vprec` picks how the word path runs V precision (INT4 history, one query row per KV head; see `VPREC_MODES`):
-`"v4"` (the default until v5 is timed on the GPU), `"pipe"` or `"scores"` (v5); `vprec_fill`: with `"scores"`,
-the row blocks per SM from which V precision keeps one split per row block (fewer: splits and the score pass);
+`"v4"`, `"pipe"` or `"scores"` (v5, the default: on the H200 at 80% cold, 8K / 32K, it took V precision from 58 /
+190 / 352 us to 55 / 134 / 217 us at batch 1 / 8 / 16 and from 628 to 431 us at 32K x 8,
+`benchmarks/results/coded_attention_h200_v5_vprec.json`); `vprec_fill`: with `"scores"`, the row blocks per SM from
+which V precision keeps one split per row block, and then runs v4's loop (at 8K x 64 `pipe`'s loop took 1,068 us,
+v4's 969);
 `vprec_unroll`: v5's loop with two steps per iteration (key inputs loaded a step further ahead; not yet timed)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
@@ -160,10 +163,13 @@ def _coded_attention_fwd(
         pps = -(-pps // step) * step
     ns = -(-n_pages // pps) if ns else 0
     read_prefix = use_vprec and ns > 1
+    if vpipe and vmode == "scores" and not read_prefix:
+        vpipe = False  # one split per row block: v4's loop (H200, 8K x 64: 969 us against the pipelined 1,068)
     scores = read_prefix and vpipe and vmode == "scores"  # v5: the first pass also writes every token's score
     bound = view.history_end
     key_valid = view.key_valid
-    o_part = torch.empty(ns + 1, b * hkv, rows, d, dtype=torch.float32, device=dev)
+    dp = next_pow2(d)  # the kernels' tile width: a head dim that is no power of two is read zero-padded (dense only)
+    o_part = torch.empty(ns + 1, b * hkv, rows, dp, dtype=torch.float32, device=dev)
     lse_part = torch.empty(ns + 1, b * hkv, rows, dtype=torch.float32, device=dev)
     pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
     sc = torch.empty(b * hkv, n_pages * page, dtype=torch.float32, device=dev) if scores else lse_part
@@ -224,7 +230,8 @@ def _coded_attention_fwd(
             NS=ns,
             qk_scale=scaling * _LOG2E,
             margin=(v_precision_tau or 0.0),  # tau * ln 2 in natural units is tau in log2 units
-            D=d,
+            D=dp,
+            DH=d,
             PAGE=page,
             VGROUP=vgroup,
             KV_FMT=fmt,
@@ -257,8 +264,8 @@ def _coded_attention_fwd(
     _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **launch)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
-    block_d = min(d, 32)
-    _coded_attention_merge_kernel[(b * hkv * rows, d // block_d)](
+    block_d = min(dp, 32)
+    _coded_attention_merge_kernel[(b * hkv * rows, dp // block_d)](
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         out_ptr=out,
@@ -273,7 +280,8 @@ def _coded_attention_fwd(
         Q=q_len,
         NS=ns,
         n_bh_rows=b * hkv * rows,
-        D=d,
+        D=dp,
+        DH=d,
         BLOCK_S=min(128, next_pow2(ns + 1)),
         BLOCK_D=block_d,
     )
@@ -291,8 +299,8 @@ def _kernel_supports(query: Tensor, view: CellView, v_precision_tau: float | Non
         return f"V precision over {rows} query rows per KV head (validated on the GPU up to 16)"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
-    if d < 16 or d & (d - 1):
-        return f"head_dim {d} (the kernel needs a power of two >= 16)"
+    if d < 16 or (view.is_coded and d & (d - 1)):
+        return f"head_dim {d} (the kernel needs >= 16, and a power of two over coded history)"
     if view.is_coded:
         page = view.history_key.group_size
         if page < 16 or page & (page - 1):

@@ -235,7 +235,7 @@ class StaticDenseLayer(_StaticStorage):
             mask = static_mask(positions, read.static_valid[: self.rows])
         groups = query.shape[1] // k.shape[1]
         method = self.read_method
-        if method == "sdpa" and query.shape[2] > 1 and query.is_cuda:
+        if method == "sdpa" and query.shape[2] > 1 and query.is_cuda and k.shape[-1] >= 16:
             # a verification block: cuDNN's path for several queries runs one program per (row, head, 64 queries) over
             # the whole storage (H200, Ouro-1.4B's shape, 8K, 5 queries: 176 us per cell at batch 1 against 20 us for
             # one query), the kernel splits the history
