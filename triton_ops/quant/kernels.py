@@ -38,6 +38,34 @@ def _affine_params(mn, mx, QMAX: tl.constexpr):
     return scale, zero
 
 
+@triton.jit
+def _key_group_codes(
+    p_x, stride_xd, m_x, m_use, any_valid, p_scale, p_zero, o_c, m_c,
+    NBITS: tl.constexpr, USE_VALID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Per-channel affine codes of one key group (rows `p_x` `[BR, 1]`, channels `o_c * PER_BYTE + j`): each channel's
+    min and max over the rows `m_use` (0 / 0 when no row is valid), its scale and zero stored at `p_scale` / `p_zero`
+    plus the channel, the codes packed `PER_BYTE` channels a byte; returns the packed `[BR, BC]` int32 bytes. Shared
+    by the page quantizer and the static flush, so both code a page the same way."""
+    PER_BYTE: tl.constexpr = 8 // NBITS
+    QMAX: tl.constexpr = 2**NBITS - 1
+    b_packed = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    for j in tl.static_range(PER_BYTE):
+        o_d = o_c * PER_BYTE + j
+        b_x = tl.load(p_x + o_d[None, :] * stride_xd, mask=m_x, other=0.0).to(tl.float32)  # [BR, BC]
+        b_mn = tl.min(tl.where(m_use, b_x, float("inf")), axis=0)  # [BC]
+        b_mx = tl.max(tl.where(m_use, b_x, float("-inf")), axis=0)
+        if USE_VALID:
+            b_mn = tl.where(any_valid, b_mn, 0.0)
+            b_mx = tl.where(any_valid, b_mx, 0.0)
+        b_s, b_z = _affine_params(b_mn, b_mx, QMAX)
+        tl.store(p_scale + o_d, b_s, mask=m_c)
+        tl.store(p_zero + o_d, b_z, mask=m_c)
+        b_q = _encode(b_x, b_s.to(tl.float32)[None, :], b_z.to(tl.float32)[None, :], QMAX)
+        b_packed = b_packed | (b_q << (NBITS * j))
+    return b_packed
+
+
 @triton.jit(do_not_specialize=["T"])
 def _quantize_keys_fwd_kernel(
     x_ptr,
@@ -70,7 +98,6 @@ def _quantize_keys_fwd_kernel(
     i_g, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     PER_BYTE: tl.constexpr = 8 // NBITS
-    QMAX: tl.constexpr = 2**NBITS - 1
     o_t = i_g * GROUP + tl.arange(0, BLOCK_G)
     m_t = tl.arange(0, BLOCK_G) < GROUP
     o_c = tl.arange(0, BLOCK_C)
@@ -82,22 +109,11 @@ def _quantize_keys_fwd_kernel(
         any_valid = tl.max(b_valid.to(tl.int32), axis=0) > 0
     else:
         m_use = m_x
+        any_valid = True
     p_x = x_ptr + i_b * stride_xb + i_h * stride_xh + o_t[:, None] * stride_xt
-    b_packed = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.int32)
-    for j in tl.static_range(PER_BYTE):
-        o_d = o_c * PER_BYTE + j
-        b_x = tl.load(p_x + o_d[None, :] * stride_xd, mask=m_x, other=0.0).to(tl.float32)  # [BG, BC]
-        b_mn = tl.min(tl.where(m_use, b_x, float("inf")), axis=0)  # [BC]
-        b_mx = tl.max(tl.where(m_use, b_x, float("-inf")), axis=0)
-        if USE_VALID:
-            b_mn = tl.where(any_valid, b_mn, 0.0)
-            b_mx = tl.where(any_valid, b_mx, 0.0)
-        b_s, b_z = _affine_params(b_mn, b_mx, QMAX)
-        o_s = i_b * stride_sb + i_h * stride_sh + i_g * stride_sg + o_d
-        tl.store(scale_ptr + o_s, b_s, mask=m_c)
-        tl.store(zero_ptr + o_s, b_z, mask=m_c)
-        b_q = _encode(b_x, b_s.to(tl.float32)[None, :], b_z.to(tl.float32)[None, :], QMAX)
-        b_packed = b_packed | (b_q << (NBITS * j))
+    o_s = i_b * stride_sb + i_h * stride_sh + i_g * stride_sg
+    b_packed = _key_group_codes(p_x, stride_xd, m_x, m_use, any_valid, scale_ptr + o_s, zero_ptr + o_s, o_c, m_c,
+                                NBITS, USE_VALID, BLOCK_G, BLOCK_C)  # fmt: skip
     p_c = codes_ptr + i_b * stride_cb + i_h * stride_ch + o_t[:, None] * stride_ct + o_c[None, :]
     tl.store(p_c, b_packed.to(tl.uint8), mask=m_x)
 
@@ -180,7 +196,6 @@ def _flush_key_page(
 ):  # fmt: skip
     """The key page of row (i_b, i_h): per channel over the page's (valid) positions, as `_quantize_keys_fwd_kernel`."""
     PER_BYTE: tl.constexpr = 8 // NBITS
-    QMAX: tl.constexpr = 2**NBITS - 1
     o_c = tl.arange(0, BLOCK_C)
     m_c = o_c < D // PER_BYTE
     m_x = m_p[:, None] & m_c[None, :]
@@ -190,22 +205,11 @@ def _flush_key_page(
         any_valid = tl.max(b_valid.to(tl.int32), axis=0) > 0
     else:
         m_use = m_x
+        any_valid = True
     p_x = k_ptr + i_b * stride_kb + i_h * stride_kh + b_slot[:, None] * stride_kt
-    b_packed = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.int32)
-    for j in tl.static_range(PER_BYTE):
-        o_d = o_c * PER_BYTE + j
-        b_x = tl.load(p_x + o_d[None, :] * stride_kd, mask=m_x, other=0.0).to(tl.float32)  # [BP, BC]
-        b_mn = tl.min(tl.where(m_use, b_x, float("inf")), axis=0)  # [BC]
-        b_mx = tl.max(tl.where(m_use, b_x, float("-inf")), axis=0)
-        if USE_VALID:
-            b_mn = tl.where(any_valid, b_mn, 0.0)
-            b_mx = tl.where(any_valid, b_mx, 0.0)
-        b_s, b_z = _affine_params(b_mn, b_mx, QMAX)
-        o_s = i_b * stride_sb + i_h * stride_sh + i_p * stride_sg + o_d
-        tl.store(kscale_ptr + o_s, b_s, mask=m_c)
-        tl.store(kzero_ptr + o_s, b_z, mask=m_c)
-        b_q = _encode(b_x, b_s.to(tl.float32)[None, :], b_z.to(tl.float32)[None, :], QMAX)
-        b_packed = b_packed | (b_q << (NBITS * j))
+    o_s = i_b * stride_sb + i_h * stride_sh + i_p * stride_sg
+    b_packed = _key_group_codes(p_x, stride_kd, m_x, m_use, any_valid, kscale_ptr + o_s, kzero_ptr + o_s, o_c, m_c,
+                                NBITS, USE_VALID, BLOCK_P, BLOCK_C)  # fmt: skip
     o_t = i_p * PAGE + o_p  # [BP] destination token rows
     p_c = codes_ptr + i_b * stride_cb + i_h * stride_ch + o_t[:, None] * stride_ct + o_c[None, :]
     tl.store(p_c, b_packed.to(tl.uint8), mask=m_x)
