@@ -61,3 +61,12 @@ def generate_cache_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def generate_cache(kwargs: dict[str, Any]) -> Any:
     """The cache a `generate` call was given, under either name."""
     return kwargs.get("cache") if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a `TorchDispatchMode` is active (e.g. `benchmarks.memtrack.LiveBytes`): a tensor subclass such as
+    torch's `CausalBias` cannot be built under one. torch keeps the mode stack behind a private function (present
+    from torch 2.0 to 2.13)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None

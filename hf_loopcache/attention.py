@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from hf_loopcache._compat import dispatch_mode_active
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -155,14 +157,14 @@ def dense_attention(
     if key_valid is None:
         if q_len > 1 and past == 0:
             is_causal = True
-        elif q_len > 1 and query.is_cuda and not torch.compiler.is_compiling():
+        elif q_len > 1 and not torch.compiler.is_compiling() and not dispatch_mode_active():
             # a block after cached positions (self-speculative verification, chunked prefill, a query piece of a
             # prefill): the causal diagonal aligned to the bottom right, with no mask tensor, so SDPA runs the kernel a
-            # one-token decode step runs (flash); a bool mask would send every such call to a masked backend
+            # one-token decode step runs (flash on CUDA); a bool mask would send every such call to a masked backend
             mask = causal_lower_right(q_len, total)
-        elif q_len > 1:  # traced (torch.export / torch.compile), or off CUDA (where SDPA materialises the bias into
-            # this same mask; and a tensor subclass such as `CausalBias` cannot be built under a dispatch mode, e.g.
-            # `benchmarks.memtrack.LiveBytes`): a plain tensor mask, the same math
+        elif q_len > 1:  # traced (torch.export / torch.compile), or under a dispatch mode (a tensor subclass such as
+            # `CausalBias` cannot be built there, e.g. `benchmarks.memtrack.LiveBytes`): a plain tensor mask, the same
+            # math
             positions = torch.arange(total, device=query.device)
             mask = causal_padding_mask(positions[past:], positions, None)
     else:
