@@ -1,8 +1,9 @@
 """A static LoopKV cache whose decode steps flush through the fused Triton kernel (`triton_ops.quant.flush_page`, one
 launch per coded cell) decodes exactly as with the reference flush (the torch ops it replaces): the same tokens and
-logits, and every byte of the cache's device state equal (codes, scales, zero points, both INT4 value planes, the
-scratch page, rings, lengths), for kivi4 / kivi2 / kivi4-share, a left-padded batch (partial validity in the flushed
-pages), a step with no page due (scratch page) and flush boundaries crossed every 4 tokens; kivi4 also when every step
+logits, and every byte of the cache's device state equal (codes, scales, zero points, both INT4 value planes, rings,
+lengths; not the scratch page, whose bytes are unspecified: the reference sends the pages that are not due there, the
+kernel skips them), for kivi4 / kivi2 / kivi4-share, a left-padded batch (partial validity in the flushed pages), a
+step with no page due and flush boundaries crossed every 4 tokens; kivi4 also when every step
 after the first is a replay of a recording (the CUDA-graph stand-in), which a flush that read a host value would get
 wrong.
 
@@ -56,6 +57,14 @@ def _decode(monkeypatch, name, fused, replayed=False):
     with monkeypatch.context() as m:
         ran = _route(m, fused)
         out = _generate(model, "ouro", ids, mask, cache, new=NEW, **kwargs)
+    for cell in cache.cells:  # the scratch page (past every page a reader reads): unspecified bytes
+        if getattr(cell, "qk", None) is not None:
+            n, p = cell.num_pages, cell.page
+            cell.qk.scale[:, :, n:] = 0
+            cell.qk.zero[:, :, n:] = 0
+            for t in (cell.qk.codes, cell.qv.hi, cell.qv.lo, cell.qv.scale, cell.qv.zero):
+                if t is not None:
+                    t[:, :, n * p :] = 0
     return out, [t.clone() for t in device_state(cache)], ran
 
 

@@ -139,10 +139,17 @@ def _expected(case: Case, nbits: int, ring_k, ring_v, geo, store):
     return keys, values
 
 
-def _assert_same_store(got, want):
+def _assert_same_store(got, want, scratch: int):
+    """Every byte of pages `[0, scratch)` equal; the scratch page's bytes are unspecified (the reference writes the
+    pages that are not due there, the kernel skips them)."""
     for part_got, part_want, side in ((got[0], want[0], "keys"), (got[1], want[1], "values")):
         for field in ("codes", "scale", "zero") if side == "keys" else ("hi", "lo", "scale", "zero"):
-            assert _same_bits(getattr(part_got, field), getattr(part_want, field)), f"{side}.{field}"
+            a, b = getattr(part_got, field), getattr(part_want, field)
+            if a is None or b is None:
+                assert a is None and b is None, f"{side}.{field}"
+                continue
+            per_page = a.shape[2] // (scratch + 1)  # page-indexed metadata (keys' scale / zero) or positions
+            assert _same_bits(a[:, :, : scratch * per_page], b[:, :, : scratch * per_page]), f"{side}.{field}"
 
 
 def _params():
@@ -158,7 +165,7 @@ def test_flush_page_reference_writes_the_page_it_picks(case, nbits):
     want = _expected(case, nbits, ring_k, ring_v, geo, store)
     got = _to(store, "cpu")
     flush_page(ring_k, ring_v, *got, **geo)
-    _assert_same_store(got, want)
+    _assert_same_store(got, want, case.N)
 
 
 @needs_kernel
@@ -174,14 +181,14 @@ def test_flush_page_kernel_bit_exact(case, nbits, dtype):
     want = _expected(case, nbits, ring_k, ring_v, geo, store)
     ref = _to(store, "cpu")
     naive.flush_page(ring_k, ring_v, *ref, **geo)
-    _assert_same_store(ref, want)
+    _assert_same_store(ref, want, case.N)
     got = _to(store, DEVICE)
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in geo.items()}
     # a strided ring (the cell passes views of its first rows): read in place
     strided = lambda x: x.transpose(2, 3).contiguous().transpose(2, 3).to(DEVICE)  # noqa: E731
     _flush_page_fwd(strided(ring_k), strided(ring_v), *got, dev["slots"], dev["page"], dev["due"], dev["start"],
                     dev["floor"], dev["scratch_page"], dev["valid"])  # fmt: skip
-    _assert_same_store(_to(got, "cpu"), want)
+    _assert_same_store(_to(got, "cpu"), want, case.N)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch to Triton needs CUDA")

@@ -281,7 +281,6 @@ def _flush_page_fwd_kernel(
     vscale_ptr,
     vzero_ptr,
     H,
-    SCRATCH,
     stride_kb,
     stride_kh,
     stride_kt,
@@ -314,27 +313,29 @@ def _flush_page_fwd_kernel(
     BLOCK_K: tl.constexpr,
     USE_VALID: tl.constexpr,
 ):
-    # one program per (b * h, keys | values, page k of the K): gather the page's PAGE positions from the ring slots,
-    # quantize them, and write the destination page, chosen here from the device-side geometry (the scratch page
-    # SCRATCH when the page is not due or the ring no longer holds it): the same arguments every step, no host read
+    # one program per (b * h, keys | values, page k of the K): when the device-side geometry says the page is due
+    # and the ring still holds it, gather its PAGE positions from the ring slots, quantize them and write its page;
+    # otherwise exit at once (a page is due once every PAGE steps, so most steps code nothing). The same arguments
+    # every step, no host read
     i_bh, i_kv, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     b_due = tl.load(due_ptr + i_k) != 0
     b_held = tl.load(start_ptr + i_k) >= tl.load(floor_ptr)
-    i_p = tl.where(b_due & b_held, tl.load(page_ptr + i_k), SCRATCH).to(tl.int64)
-    o_p = tl.arange(0, BLOCK_P)
-    m_p = o_p < PAGE
-    o_m = i_k * PAGE + o_p  # [BP] the page's positions among the K * P gathered ones
-    b_slot = tl.load(slots_ptr + o_m, mask=m_p, other=0).to(tl.int64)  # [BP] ring slots of the page's positions
-    if i_kv == 0:
-        _flush_key_page(
-            k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, o_m, m_p,
-            stride_kb, stride_kh, stride_kt, stride_kd, stride_mb, stride_mt, stride_cb, stride_ch, stride_ct,
-            stride_sb, stride_sh, stride_sg, D, NBITS, PAGE, BLOCK_P, BLOCK_C, USE_VALID,
-        )  # fmt: skip
-    else:
-        _flush_value_page(
-            v_ptr, hi_ptr, lo_ptr, vscale_ptr, vzero_ptr, i_b, i_h, i_p, b_slot, o_p, m_p,
-            stride_vb, stride_vh, stride_vt, stride_vd, stride_hb, stride_hh, stride_ht, stride_wb, stride_wh,
-            stride_wt, D, NBITS, PAGE, GROUP, BLOCK_P, BLOCK_NG, BLOCK_K,
-        )  # fmt: skip
+    if b_due & b_held:
+        i_p = tl.load(page_ptr + i_k).to(tl.int64)
+        o_p = tl.arange(0, BLOCK_P)
+        m_p = o_p < PAGE
+        o_m = i_k * PAGE + o_p  # [BP] the page's positions among the K * P gathered ones
+        b_slot = tl.load(slots_ptr + o_m, mask=m_p, other=0).to(tl.int64)  # [BP] ring slots of the page's positions
+        if i_kv == 0:
+            _flush_key_page(
+                k_ptr, valid_ptr, codes_ptr, kscale_ptr, kzero_ptr, i_b, i_h, i_p, b_slot, o_p, o_m, m_p,
+                stride_kb, stride_kh, stride_kt, stride_kd, stride_mb, stride_mt, stride_cb, stride_ch, stride_ct,
+                stride_sb, stride_sh, stride_sg, D, NBITS, PAGE, BLOCK_P, BLOCK_C, USE_VALID,
+            )  # fmt: skip
+        else:
+            _flush_value_page(
+                v_ptr, hi_ptr, lo_ptr, vscale_ptr, vzero_ptr, i_b, i_h, i_p, b_slot, o_p, m_p,
+                stride_vb, stride_vh, stride_vt, stride_vd, stride_hb, stride_hh, stride_ht, stride_wb, stride_wh,
+                stride_wt, D, NBITS, PAGE, GROUP, BLOCK_P, BLOCK_NG, BLOCK_K,
+            )  # fmt: skip

@@ -219,7 +219,8 @@ def _flush_page_fwd(
     valid: Tensor | None,
 ) -> None:
     """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2, K)` (keys / values of each of the K pages),
-    writing rows `[0, B)` of the page storage in place. The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
+    writing rows `[0, B)` of the page storage in place; the programs of a page that is not due (or no longer held)
+    exit at once and write nothing (`scratch_page` is the reference's; the kernel leaves it alone). The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
     `lo`, the two key metadata tensors and the two value metadata tensors must share their strides."""
     from triton_ops.quant.kernels import _flush_page_fwd_kernel
 
@@ -256,7 +257,6 @@ def _flush_page_fwd(
         vscale_ptr=values.scale,
         vzero_ptr=values.zero,
         H=h,
-        SCRATCH=scratch_page,
         stride_kb=ring_key.stride(0),
         stride_kh=ring_key.stride(1),
         stride_kt=ring_key.stride(2),
@@ -307,12 +307,14 @@ def flush_page(
 ) -> None:
     """Code `K` pages of a ring into page storage, in place: the flush of a static coded cell's forward. Same contract
     and bytes as `triton_ops.quant.naive.flush_page` (gather the ring slots, `quantize_keys` over each page with
-    `valid`, `quantize_values`, write page `k` to page `page[k]` when `due[k] and start[k] >= floor`, else to
-    `scratch_page`).
+    `valid`, `quantize_values`, write page `k` to page `page[k]` when `due[k] and start[k] >= floor`) on every page a
+    reader reads; the bytes of `scratch_page` are unspecified (the reference sends the pages that are not due there,
+    the kernel skips them).
 
     On CUDA tensors (with Triton) it is **one kernel launch** (`_flush_page_fwd_kernel`, grid `(B * H, 2, K)`) that
     reads the device-side geometry itself: no host read, no allocation, the same addresses every call, so it can be
-    captured in a CUDA graph. Elsewhere the reference runs (a dozen torch ops). Neither checks finiteness (a host
+    captured in a CUDA graph; the programs of a page that is not due exit at once, so a step that codes nothing costs
+    the launch only (a page is due once every `P` steps). Elsewhere the reference runs (a dozen torch ops). Neither checks finiteness (a host
     read): the ring must hold finite values within the fp16 range at the page's valid positions.
 
     Args:
@@ -327,9 +329,9 @@ def flush_page(
         page (`torch.LongTensor` of shape `[K]`, or `[]` / `[1]` for one page): destination pages when due.
         due (`torch.BoolTensor` of shape `[K]`): whether each page is due.
         start (`torch.LongTensor` of shape `[K]`), floor (`torch.LongTensor`, one element): each page's first position,
-            and the lowest position the ring holds; a page below `floor` is not written (it goes to the scratch page).
-        scratch_page (`int`): page written for a page not due (past every page a reader reads; several pages sent
-            there land in an unspecified order).
+            and the lowest position the ring holds; a page below `floor` is not written.
+        scratch_page (`int`): a page past every page a reader reads, where the reference writes the pages that are
+            not written (device-side indexing, no host branch); its bytes are unspecified.
         valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): False marks padding positions, left out of the
             key pages' min / max.
 

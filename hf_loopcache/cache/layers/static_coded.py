@@ -523,10 +523,11 @@ class StaticCodedLayer(_StaticWindowed):
     def flush(self, read: ReadState, positions: torch.Tensor) -> None:
         """Code the forward's `K` pages (`_geometry`: those ending at the page boundary at or above its largest history
         end) from the ring, on the device. A page not due (below the sink, or no longer held by the ring: below
-        `floor`) goes to the scratch page past the last one, which nothing reads: the forward is the same either way.
-        `triton_ops.quant.flush_page` does it all in one kernel launch on CUDA (gather, quantize, pick the pages,
-        write; the device-side geometry read in the kernel), with the reference's torch ops elsewhere; the bytes are
-        the same."""
+        `floor`) is not written (the reference's torch ops send it to the scratch page past the last one, which nothing
+        reads): the forward is the same either way. `triton_ops.quant.flush_page` does it all in one kernel launch on
+        CUDA (gather, quantize, pick the pages, write; the device-side geometry read in the kernel, whose programs exit
+        at once for a page that is not due), with the reference's torch ops elsewhere; the bytes of every page a
+        reader reads are the same."""
         geo = self._geometry(read, positions)
         ring_k, ring_v = self._views()
         mask = geo["valid"]
