@@ -115,6 +115,118 @@ def test_silu_mul_matches_reference(dtype):
     assert _ulps(out, ref) <= 1 or dtype == torch.float32
 
 
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [80, 2048])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_pair_matches_reference(dtype, n, residual):
+    """A residual norm and the norm after it in one kernel: both outputs within the reference's rounding."""
+    x, w, w2 = _rand((3, 2, n), dtype, 0, 3.0), _rand((n,), dtype, 1), _rand((n,), dtype, 3)
+    r = _rand((3, 2, n), dtype, 2) if residual else None
+    h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, add_after=r)
+    ref_h, ref_normed = reference.ref_rms_norm_pair(x, w, 1e-6, w2, 1e-5, add_after=r)
+    for out, ref in ((h, ref_h), (normed, ref_normed)):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        else:
+            assert _ulps(out, ref) <= 2
+            assert (out != ref).float().mean() < 0.05
+    # the second norm reads the first's output with its own weight (not `x`, not `w`)
+    assert not torch.allclose(normed.float(), reference.ref_rms_norm(x, w2, 1e-5).float(), atol=1e-2)
+    assert not torch.allclose(normed.float(), reference.ref_rms_norm(ref_h, w, 1e-5).float(), atol=1e-2)
+
+
+def _storage(dtype, rows, heads, n, d, seed):
+    """Storage views of the first `rows` rows of a larger buffer (as a static cell writes them), NaN-free."""
+    return _rand((rows + 1, heads, n, d), dtype, seed)[:rows]
+
+
+@kernels
+@pytest.mark.parametrize(
+    "dtype, src_dtype, d, q, mode",
+    [
+        pytest.param(torch.float32, torch.float32, 16, 1, None, id="fp32-D16-q1"),
+        pytest.param(torch.float16, torch.float16, 96, 3, None, id="fp16-D96-q3"),
+        pytest.param(torch.float16, torch.float32, 32, 2, None, id="fp32-into-fp16-D32-q2"),
+        pytest.param(torch.float16, torch.float16, 32, 3, "modulo", id="fp16-D32-q3-ring"),
+        pytest.param(torch.float32, torch.float32, 16, 4, "clamp", id="fp32-D16-q4-sink"),
+    ],
+)
+def test_write_kv_equals_reference(dtype, src_dtype, d, q, mode):
+    """Both halves of a static cell's write in one launch: the same bytes as the two `index_copy_` everywhere, from
+    keys and values at the strides a model hands them over (heads-major views of a token-major projection)."""
+    b, h, n = 2, 3, 12
+    kv = _rand((b, q, 2 * h, d), src_dtype, 5)  # token-major, keys and values side by side
+    key, value = kv[:, :, :h].transpose(1, 2), kv[:, :, h:].transpose(1, 2)
+    kw: dict = {}
+    if mode is None:
+        positions = torch.tensor([5, 9, 2, 7][:q], device=DEVICE)
+    elif mode == "modulo":
+        positions, kw = torch.tensor([10, 11, 12], device=DEVICE), {"modulo": 7}  # wraps: slots 3, 4, 5
+    else:
+        positions, kw = torch.tensor([1, 2, 3, 4], device=DEVICE), {"clamp": 3}  # 3 and 4 share the scratch slot 3
+    k, v = _storage(dtype, b, h, n, d, 6), _storage(dtype, b, h, n, d, 7)
+    ref_k, ref_v = k.clone(), v.clone()
+    fused.write_kv(k, v, key, value, positions, **kw)
+    reference.ref_write_kv(ref_k, ref_v, key, value, positions, **kw)
+    if mode == "clamp":  # the scratch slot's bytes are unspecified
+        k[:, :, 3], v[:, :, 3], ref_k[:, :, 3], ref_v[:, :, 3] = 0, 0, 0, 0
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    written = (positions.clamp(max=kw.get("clamp", n)) % kw.get("modulo", n + 1)).tolist()
+    assert not torch.equal(k[:, :, written[0]], _storage(dtype, b, h, n, d, 6)[:, :, written[0]])
+
+
+def test_write_kv_bad_arguments_are_named():
+    k = v = torch.zeros(2, 3, 8, 4)
+    with pytest.raises(ValueError, match="`value` must have shape"):
+        fused.write_kv(k, v, torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 2, 4), torch.tensor([0]))
+    with pytest.raises(ValueError, match="`k` and `v` must be one storage shape"):
+        fused.write_kv(k, v[:1], torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4), torch.tensor([0]))
+
+
+def test_rms_norm_pair_off_cuda_is_the_two_norms_bit_for_bit():
+    x, w, w2, r = torch.randn(2, 3, 40), torch.randn(40), torch.randn(40), torch.randn(2, 3, 40)
+    h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, add_after=r)
+    first = fused.rms_norm(x, w, 1e-6, add_after=r)
+    assert torch.equal(h, first) and torch.equal(normed, fused.rms_norm(first, w2, 1e-5))
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("kernel", ["rms_norm_pair", "write_kv"])
+def test_fused_kernels_compile_for_sm90(kernel):
+    """The interpreter runs Python, not Triton's compiler: compile the kernels for sm_90 as a decode step launches them
+    (bf16, Ouro's hidden 2048 and 128 channels; Huginn's 96 in a ring), with no GPU."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_ops.fused import kernels
+
+    if kernel == "rms_norm_pair":
+        fn = kernels._rms_norm_kernel
+        consts = dict(HAS_BEFORE=False, HAS_AFTER=True, HAS_NEXT=True, BLOCK=2048)
+        floats = ("eps", "eps2")
+    else:
+        fn = kernels._write_kv_kernel
+        consts = dict(D=96, BLOCK_D=128, HAS_CLAMP=True, HAS_MODULO=True)
+        floats = ()
+    ptr = {"pos_ptr": "*i64"}
+    sig = {
+        a: "constexpr" if a in consts else ptr.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a in floats
+        else "i64" if a in ("CLAMP", "MODULO") else "i32"
+        for a in fn.arg_names
+    }
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as err:  # no ptxas in this Triton build
+        if "ptxas" in str(err).lower():
+            pytest.skip(str(err).splitlines()[0])
+        raise
+    assert compiled.asm.get("cubin")
+
+
 def test_dispatch_takes_the_reference_off_cuda_under_autograd_and_when_disabled(monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: calls.append(op) or False)

@@ -6,6 +6,15 @@ small batch; `reference.py` is the models' eager math (the contract and the CPU 
 off in a block (comparisons, benchmarks). See `README.md`.
 """
 
-from triton_ops.fused.ops import disabled, enabled, rms_norm, rotate_half, rotate_pairs, silu_mul
+from triton_ops.fused.ops import (
+    disabled,
+    enabled,
+    rms_norm,
+    rms_norm_pair,
+    rotate_half,
+    rotate_pairs,
+    silu_mul,
+    write_kv,
+)
 
-__all__ = ["disabled", "enabled", "rms_norm", "rotate_half", "rotate_pairs", "silu_mul"]
+__all__ = ["disabled", "enabled", "rms_norm", "rms_norm_pair", "rotate_half", "rotate_pairs", "silu_mul", "write_kv"]

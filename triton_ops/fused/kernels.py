@@ -7,8 +7,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, N, eps,
-                     HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, w2_ptr, out2_ptr, N, eps, eps2,
+                     HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: `out = after + w * norm(x + before)`; with `HAS_NEXT` also `out2 = w2 * norm(out)` (the
+    next norm of the same row, read from registers: a layer's residual norm and the norm after it in one launch)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     keep = cols < N
@@ -25,6 +27,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, N, eps,
         res = tl.load(after_ptr + row * N + cols, mask=keep, other=0.0)
         out = (res.to(tl.float32) + out.to(tl.float32)).to(x.dtype)
     tl.store(out_ptr + row * N + cols, out, mask=keep)
+    if HAS_NEXT:  # masked columns of `out` are 0 (w and res load 0 there), so the sum is the row's
+        y32 = out.to(tl.float32)
+        inv2 = 1.0 / tl.sqrt(tl.sum(y32 * y32, axis=0) / N + eps2)
+        w2 = tl.load(w2_ptr + cols, mask=keep, other=0.0)
+        out2 = (w2.to(tl.float32) * (y32 * inv2).to(x.dtype).to(tl.float32)).to(x.dtype)
+        tl.store(out2_ptr + row * N + cols, out2, mask=keep)
 
 
 @triton.jit
@@ -76,3 +84,27 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.con
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
     tl.store(out_ptr + row * N + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=keep)
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, pos_ptr, k_ptr, v_ptr, H, CLAMP, MODULO,
+                     stride_kb, stride_kh, stride_kq, stride_vb, stride_vh, stride_vq, stride_sb, stride_sh, stride_sn,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_MODULO: tl.constexpr):
+    """One program per (row and head, new position): `key` / `value` `[B, H, Q, D]` (any strides, last axis
+    contiguous) into the storage `k` / `v` `[B, H, N, D]` (the same strides) at slot `min(pos, CLAMP) % MODULO`, cast
+    to the storage's dtype: both halves of a cell's write in one launch."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_q = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    slot = tl.load(pos_ptr + i_q).to(tl.int64)
+    if HAS_CLAMP:
+        slot = tl.minimum(slot, CLAMP)
+    if HAS_MODULO:
+        slot = slot % MODULO
+    b_k = tl.load(key_ptr + i_b * stride_kb + i_h * stride_kh + i_q * stride_kq + o_d, mask=m_d)  # [BLOCK_D]
+    b_v = tl.load(value_ptr + i_b * stride_vb + i_h * stride_vh + i_q * stride_vq + o_d, mask=m_d)
+    o_s = i_b * stride_sb + i_h * stride_sh + slot * stride_sn + o_d
+    tl.store(k_ptr + o_s, b_k.to(k_ptr.dtype.element_ty), mask=m_d)
+    tl.store(v_ptr + o_s, b_v.to(v_ptr.dtype.element_ty), mask=m_d)

@@ -16,7 +16,7 @@ from triton_ops.fused import reference
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["disabled", "enabled", "rms_norm", "rotate_half", "rotate_pairs", "silu_mul"]
+__all__ = ["disabled", "enabled", "rms_norm", "rms_norm_pair", "rotate_half", "rotate_pairs", "silu_mul", "write_kv"]
 
 _state = threading.local()
 
@@ -51,6 +51,28 @@ def _check_rows(name: str, t: Tensor | None, like: Tensor) -> None:
                          f"{tuple(t.shape)} {t.dtype}")
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float, add_before: Tensor | None, add_after: Tensor | None,
+              then: tuple[Tensor, float] | None) -> tuple[Tensor, Tensor | None]:
+    from triton_ops.fused.kernels import _rms_norm_kernel
+
+    n = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    out2 = torch.empty_like(xc) if then is not None else None
+    rows = xc.numel() // n if n else 0
+    if rows:
+        before = add_before.contiguous() if add_before is not None else xc
+        after = add_after.contiguous() if add_after is not None else xc
+        w2, eps2 = (then[0].contiguous(), float(then[1])) if then is not None else (weight, 0.0)
+        block = next_pow2(n)
+        with launch_device(x):
+            _rms_norm_kernel[(rows,)](xc, weight.contiguous(), before, after, out, w2, out2 if out2 is not None else out,
+                                      n, float(eps), eps2, HAS_BEFORE=add_before is not None,
+                                      HAS_AFTER=add_after is not None, HAS_NEXT=then is not None, BLOCK=block,
+                                      num_warps=8 if block >= 4096 else 4)
+    return out, out2
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | None = None,
              add_after: Tensor | None = None) -> Tensor:
     """`add_after + weight * norm(x + add_before)` over the last axis (see `reference.ref_rms_norm`): one kernel."""
@@ -59,21 +81,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | None
     extra = [t for t in (add_before, add_after) if t is not None]
     if not _fused("rms_norm", x, weight, *extra) or weight.dtype != x.dtype:
         return reference.ref_rms_norm(x, weight, eps, add_before=add_before, add_after=add_after)
-    from triton_ops.fused.kernels import _rms_norm_kernel
+    return _rms_norm(x, weight, eps, add_before, add_after, None)[0]
 
-    n = x.shape[-1]
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
-    rows = xc.numel() // n if n else 0
-    if rows:
-        before = add_before.contiguous() if add_before is not None else xc
-        after = add_after.contiguous() if add_after is not None else xc
-        block = next_pow2(n)
-        with launch_device(x):
-            _rms_norm_kernel[(rows,)](xc, weight.contiguous(), before, after, out, n, float(eps),
-                                      HAS_BEFORE=add_before is not None, HAS_AFTER=add_after is not None,
-                                      BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    return out
+
+def rms_norm_pair(x: Tensor, weight: Tensor, eps: float, next_weight: Tensor, next_eps: float, *,
+                  add_after: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`h = add_after + weight * norm(x)` and `next_weight * norm(h)`, both over the last axis, in one kernel on CUDA
+    (see `reference.ref_rms_norm_pair`): a layer's residual norm and the norm that reads its output (Ouro's
+    `input_layernorm_2` and `post_attention_layernorm`). Returns `(h, normed)`, each shaped like `x`."""
+    _check_rows("add_after", add_after, x)
+    if next_weight.shape != weight.shape:
+        raise ValueError(f"`next_weight` must have the shape {tuple(weight.shape)} of `weight`; got "
+                         f"{tuple(next_weight.shape)}")
+    extra = [add_after] if add_after is not None else []
+    if (not _fused("rms_norm", x, weight, next_weight, *extra) or weight.dtype != x.dtype
+            or next_weight.dtype != x.dtype):
+        return reference.ref_rms_norm_pair(x, weight, eps, next_weight, next_eps, add_after=add_after)
+    out, out2 = _rms_norm(x, weight, eps, None, add_after, (next_weight, next_eps))
+    return out, out2  # type: ignore[return-value]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,3 +170,45 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         with launch_device(gate):
             _silu_mul_kernel[(rows, _cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
     return out
+
+
+def write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, *, clamp: int | None = None,
+             modulo: int | None = None) -> None:
+    """Write new keys and values into a static cell's storage in place, both in one kernel on CUDA (two
+    `index_copy_` otherwise; see `reference.ref_write_kv`).
+
+    Args:
+        k, v (`torch.Tensor` of shape `[B, H, N, D]`): the storage (views of it: the first rows), the same strides,
+            the last axis contiguous.
+        key, value (`torch.Tensor` of shape `[B, H, Q, D]`): the new keys and values (any strides with the last axis
+            contiguous; cast to the storage's dtype).
+        positions (`torch.LongTensor` of shape `[Q]`): where each new position goes, on the storage's device.
+        clamp (`int`, *optional*): slots above it go to slot `clamp` (a sink's scratch slot).
+        modulo (`int`, *optional*): slots wrap around it (a ring).
+
+    Slots must be distinct (except the scratch slot of `clamp`, whose bytes are then unspecified) and in `[0, N)`.
+    """
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"`k` and `v` must be one storage shape [B, H, N, D]; got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    b, h, _, d = k.shape
+    q = positions.shape[0] if positions.dim() == 1 else -1
+    for name, t in (("key", key), ("value", value)):
+        if t.shape != (b, h, q, d):
+            raise ValueError(f"`{name}` must have shape {(b, h, q, d)} (the storage's rows, heads and width, one "
+                             f"position per entry of `positions` {tuple(positions.shape)}); got {tuple(t.shape)}")
+    if (not _fused("write_kv", k, v, key, value, positions) or k.stride() != v.stride()
+            or any(t.stride(-1) != 1 for t in (k, v, key, value)) or positions.dtype != torch.long):
+        reference.ref_write_kv(k, v, key, value, positions, clamp=clamp, modulo=modulo)
+        return
+    if not key.numel():
+        return
+    from triton_ops.fused.kernels import _write_kv_kernel
+
+    with launch_device(k):
+        _write_kv_kernel[(b * h, q)](
+            key, value, positions, k, v, h, 0 if clamp is None else int(clamp), 1 if modulo is None else int(modulo),
+            key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            D=d, BLOCK_D=next_pow2(d), HAS_CLAMP=clamp is not None, HAS_MODULO=modulo is not None,
+            num_warps=1 if d <= 128 else 2)

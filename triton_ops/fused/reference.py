@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ref_rms_norm", "ref_rotate_half", "ref_rotate_pairs", "ref_silu_mul"]
+__all__ = ["ref_rms_norm", "ref_rms_norm_pair", "ref_rotate_half", "ref_rotate_pairs", "ref_silu_mul", "ref_write_kv"]
 
 
 def ref_rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | None = None,
@@ -22,6 +22,13 @@ def ref_rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | 
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * x32.to(x.dtype)
     return out if add_after is None else add_after + out
+
+
+def ref_rms_norm_pair(x: Tensor, weight: Tensor, eps: float, next_weight: Tensor, next_eps: float, *,
+                      add_after: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`(h, next_weight * norm(h))` with `h = add_after + weight * norm(x)`: two `ref_rms_norm` calls."""
+    h = ref_rms_norm(x, weight, eps, add_after=add_after)
+    return h, ref_rms_norm(h, next_weight, next_eps)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -50,3 +57,13 @@ def ref_rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor | None = 
 def ref_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """`silu(gate) * up` in the inputs' dtype (the gated MLP's activation)."""
     return torch.nn.functional.silu(gate) * up
+
+
+def ref_write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, *, clamp: int | None = None,
+                 modulo: int | None = None) -> None:
+    """`k[:, :, slot] = key`, `v[:, :, slot] = value` (cast to the storage's dtype) at `slot = min(positions, clamp) %
+    modulo`: the static cells' write of new keys and values (`index_copy_` along the position axis, in place)."""
+    slots = positions if clamp is None else positions.clamp(max=clamp)
+    slots = slots if modulo is None else slots % modulo
+    k.index_copy_(2, slots, key.to(k.dtype))
+    v.index_copy_(2, slots, value.to(v.dtype))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hf_loopcache.attention import dense_attention
 from hf_loopcache.cache.layers.base import LoopLayerBase
+from triton_ops import fused
 from triton_ops.coded_attention import CellView, coded_attention
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class _StaticStorage(LoopLayerBase):
 class StaticDenseLayer(_StaticStorage):
     """Every position at full precision, in `[max_batch_size, H, max_cache_len, D]` buffers allocated at the first
     write (zeros, so masked positions hold finite values) and never reallocated. Writes go to the forward's storage
-    positions (`ReadState.positions`, a device tensor) with `index_copy_`; a read attends over the whole buffer with
+    positions (`ReadState.positions`, a device tensor) with `triton_ops.fused.write_kv`; a read attends over the whole buffer with
     the forward's device-side mask (`ReadState.static_mask`), so neither depends on a host length. A row count below
     `max_batch_size` uses the first rows (views at the same addresses). A first write into an empty cell (prefill)
     attends causally over the new tokens only, as `DenseLayer` does.
@@ -202,8 +203,7 @@ class StaticDenseLayer(_StaticStorage):
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
         k, v = self._views()
-        k.index_copy_(2, positions, key.to(k.dtype))
-        v.index_copy_(2, positions, value.to(v.dtype))
+        fused.write_kv(k, v, key, value, positions)  # one launch on CUDA (two `index_copy_` elsewhere)
         self.length += q
 
     def advance(self, query_length: int) -> None:

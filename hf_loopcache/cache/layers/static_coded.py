@@ -39,6 +39,7 @@ from hf_loopcache.attention import dense_attention
 from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, effective_storage, ring_capacity
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
+from triton_ops import fused
 from triton_ops.coded_attention import CellView, coded_attention
 from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values, flush_page
 
@@ -157,14 +158,10 @@ class _StaticWindowed(_StaticStorage):
             self.sink_k[:rows, :, :n] = key[:, :, :n]  # type: ignore[index]
             self.sink_v[:rows, :, :n] = value[:, :, :n]  # type: ignore[index]
         elif self.sink:  # a step or block after it: a short prompt's sink fills here, the scratch slot takes the rest
-            slot = positions.clamp(max=self.sink)
-            self.sink_k[:rows].index_copy_(2, slot, key.to(self.sink_k.dtype))  # type: ignore[index]
-            self.sink_v[:rows].index_copy_(2, slot, value.to(self.sink_v.dtype))  # type: ignore[index]
+            fused.write_kv(self.sink_k[:rows], self.sink_v[:rows], key, value, positions, clamp=self.sink)  # type: ignore[index]
         if q > self.capacity:  # only the last `capacity` positions stay in the ring
             key, value, positions = key[:, :, -self.capacity :], value[:, :, -self.capacity :], positions[-self.capacity :]
-        slots = positions % self.capacity
-        ring_k.index_copy_(2, slots, key.to(ring_k.dtype))
-        ring_v.index_copy_(2, slots, value.to(ring_v.dtype))
+        fused.write_kv(ring_k, ring_v, key, value, positions, modulo=self.capacity)  # one launch on CUDA
         self.length += q
         self._moved()
 

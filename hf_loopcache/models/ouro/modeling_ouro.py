@@ -29,6 +29,7 @@ from transformers.modeling_utils import PreTrainedModel
 from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import (
+    TOKEN_CHUNK,
     LoopForward,
     LoopGenerationMixin,
     OutputFlags,
@@ -134,12 +135,25 @@ class OuroDecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         attn = self.self_attn
+
+        def project(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return attn.project(self.input_layernorm(piece), *rope_span(rope, a, e))
+
+        b, t = x.shape[:2]
+        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): the attention half's residual
+            # norm and the MLP half's input norm read one row each, so they run as one kernel on CUDA
+            h, normed = attention_half(
+                state,
+                slot,
+                x,
+                project,
+                lambda o, piece: self.input_layernorm_2.then(
+                    attn.o_proj(o), self.post_attention_layernorm, add_after=piece
+                ),
+            )
+            return self.post_attention_layernorm_2(self.mlp(normed), add_after=h)
         h = attention_half(
-            state,
-            slot,
-            x,
-            lambda piece, a, e: attn.project(self.input_layernorm(piece), *rope_span(rope, a, e)),
-            lambda o, piece: self.input_layernorm_2(attn.o_proj(o), add_after=piece),
+            state, slot, x, project, lambda o, piece: self.input_layernorm_2(attn.o_proj(o), add_after=piece)
         )
         return by_token_chunks(
             lambda t: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(t)), add_after=t), h, out=h
