@@ -14,12 +14,20 @@ Everything else the package touches (`Cache(layers=...)`, `CacheLayerMixin`, `ge
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from typing import Any
 
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-__all__ = ["CACHE_KWARG", "OUTPUT_CACHE_FIELD", "cache_argument", "generate_cache", "generate_cache_kwargs"]
+__all__ = [
+    "CACHE_KWARG",
+    "OUTPUT_CACHE_FIELD",
+    "cache_argument",
+    "causal_lm_output",
+    "generate_cache",
+    "generate_cache_kwargs",
+]
 
 #: name under which `generate` hands the cache to `forward` and keeps it in `model_kwargs`
 CACHE_KWARG: str = (
@@ -29,6 +37,42 @@ CACHE_KWARG: str = (
 )
 #: name of the cache field of `CausalLMOutputWithPast` and friends
 OUTPUT_CACHE_FIELD: str = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _causal_lm_output_fast(logits: Any, cache: Any) -> CausalLMOutputWithPast:
+    out = CausalLMOutputWithPast.__new__(CausalLMOutputWithPast)
+    for name in _OUTPUT_FIELDS:
+        object.__setattr__(out, name, None)
+    for name, value in (("logits", logits), (OUTPUT_CACHE_FIELD, cache)):  # the items in field order, as __post_init__
+        OrderedDict.__setitem__(out, name, value)
+        object.__setattr__(out, name, value)
+    return out
+
+
+def _same_output(a: CausalLMOutputWithPast, b: CausalLMOutputWithPast) -> bool:
+    return list(a.items()) == list(b.items()) and vars(a) == vars(b)
+
+
+_OUTPUT_FIELDS = tuple(CausalLMOutputWithPast.__dataclass_fields__)
+_fast_output: bool | None = None  # checked against the dataclass constructor at the first call
+
+
+def causal_lm_output(logits: Any, cache: Any) -> CausalLMOutputWithPast:
+    """`CausalLMOutputWithPast(logits=logits, <cache field>=cache)` in about a microsecond: the dataclass constructor
+    of `ModelOutput` costs tens of microseconds (`fields()` per attribute), a replayed decode step's largest host cost.
+    The fast object is built as `__post_init__` builds it (items in field order, every field an attribute) and is
+    compared with the constructor's at the first call; a release that builds it otherwise takes the constructor."""
+    global _fast_output
+    if _fast_output is None:
+        slow = CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
+        try:
+            _fast_output = _same_output(_causal_lm_output_fast(logits, cache), slow)
+        except Exception:  # noqa: BLE001 - any difference means the constructor
+            _fast_output = False
+        return slow
+    if _fast_output:
+        return _causal_lm_output_fast(logits, cache)
+    return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
 
 
 def cache_argument(past_key_values: Any, cache: Any) -> Any:

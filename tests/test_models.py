@@ -3,6 +3,8 @@ cropping, beam search, sampling, loop-count arguments and the errors a user can 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -227,3 +229,51 @@ def test_layer_outputs_are_freed_unless_hidden_states_are_asked_for(arch, keep):
         assert most_alive[0] >= calls // 2  # (Ouro keeps each loop's last output after its norm)
     else:
         assert most_alive[0] <= 2, f"{most_alive[0]} of {calls} layer outputs were alive at once"
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_decode_step_launches_one_rotation_one_write_and_three_norms_per_layer_call(monkeypatch, arch):
+    """With the fused kernels on (their launchers replaced by counting references, so this runs on the CPU), a decode
+    step over a static cache launches per layer call: one RoPE for queries and keys, one write of the cell's keys and
+    values, and three norms (the residual norm and the next norm as one), with the same logits as the op-by-op path."""
+    from hf_loopcache import FullLoopCache
+    from triton_ops import fused
+    from triton_ops.fused import ops, reference
+
+    launches: list[str] = []
+
+    def count(name, fn):
+        return lambda *a, **kw: launches.append(name) or fn(*a, **kw)
+
+    def norm(x, w, eps, before, after, then):
+        h = reference.ref_rms_norm(x, w, eps, add_before=before, add_after=after)
+        return h, (None if then is None else reference.ref_rms_norm(h, *then))
+
+    def rotate(x, cos, sin, bias, pairs):
+        fn = reference.ref_rotate_pairs if pairs else reference.ref_rotate_half
+        return (fn(x, cos, sin, bias) if pairs else fn(x, cos, sin)).contiguous()
+
+    def write(k, v, key, value, positions, clamp, modulo):
+        reference.ref_write_kv(k, v, key, value, positions, clamp=clamp, modulo=modulo)
+
+    model = make_model(arch)
+    ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for on in (False, True):
+        cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=16)
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True, **call_kwargs(arch))
+            with monkeypatch.context() as m:
+                if on:
+                    m.setattr(ops, "_fused", lambda op, *tensors: op != "silu_mul" and ops.enabled())
+                    m.setattr(ops, "_rms_norm", count("norm", norm))
+                    m.setattr(ops, "_rotate", count("rotate", rotate))
+                    m.setattr(ops, "_write_kv", count("write", write))
+                launches.clear()
+                with contextlib.nullcontext() if on else fused.disabled():
+                    logits.append(model(ids[:, :1], cache=cache, use_cache=True, **call_kwargs(arch)).logits)
+    calls = len(cache.cells)  # one layer call per cell
+    other = launches.count("norm") - 3 * calls  # the model's own norms outside the layers (per loop, prelude, coda)
+    assert launches.count("rotate") == calls and launches.count("write") == calls
+    assert 0 < other < calls
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from hf_loopcache.cache.read import ReadState, VPrecisionStats
 from hf_loopcache.layout import Cell, LoopLayout
 
 __all__ = ["LoopCache", "resolve_layout"]
+
+_LENGTH = operator.attrgetter("length")
 
 
 def resolve_layout(model_or_layout: Any, num_loops: int | None = None) -> LoopLayout:
@@ -437,12 +440,16 @@ class LoopCache(Cache):
     def _advance_host(self, written: list[int]) -> None:
         """After a replayed step: the host length of each cell advances by what the step wrote into it (`written`,
         positions per cell by flat index: the query length for the cells of the loops it ran, 0 for the others)."""
-        for layer, n in zip(self.cells, written):
-            if n:
-                layer.advance(n)  # type: ignore[attr-defined]  # static layers only
+        for advance, n in self._host_advances(written):
+            advance(n)
+
+    def _host_advances(self, written: list[int]) -> list[tuple[Any, int]]:
+        """`(cell.advance, n)` of the cells `written` names (`_advance_host`'s calls, bound once: a captured step keeps
+        them and runs no per-cell test per replay)."""
+        return [(layer.advance, n) for layer, n in zip(self.cells, written) if n]  # type: ignore[attr-defined]
 
     def _host_lengths(self) -> list[int]:
-        return [layer.length for layer in self.cells]
+        return list(map(_LENGTH, self.cells))
 
     def _restore_host_lengths(self, lengths: list[int]) -> None:
         for layer, length in zip(self.cells, lengths):

@@ -53,11 +53,18 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps, add_before=add_before, add_after=add_after)
 
     def then(
-        self, x: torch.Tensor, after: RMSNorm, *, add_after: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        after: RMSNorm,
+        *,
+        add_before: torch.Tensor | None = None,
+        add_after: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(h, after(h))` with `h = self(x, add_after=add_after)`: both norms in one kernel on CUDA
-        (`triton_ops.fused.rms_norm_pair`; the two eager norms elsewhere, bit for bit)."""
-        return fused.rms_norm_pair(x, self.weight, self.eps, after.weight, after.eps, add_after=add_after)
+        """`(h, after(h))` with `h = self(x, add_before=add_before, add_after=add_after)`: both norms in one kernel on
+        CUDA (`triton_ops.fused.rms_norm_pair`; the two eager norms elsewhere, bit for bit)."""
+        return fused.rms_norm_pair(
+            x, self.weight, self.eps, after.weight, after.eps, add_before=add_before, add_after=add_after
+        )
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

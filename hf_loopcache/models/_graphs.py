@@ -17,6 +17,7 @@ storage addresses, which is why the forward must not read device values on the h
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +26,15 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from hf_loopcache._compat import OUTPUT_CACHE_FIELD, generate_cache
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, causal_lm_output, generate_cache
 
 __all__ = ["DecodeGraphs"]
 
 logger = logging.get_logger(__name__)
 
 _SCALARS = (bool, int, float, str, type(None))
+_INPUTS = frozenset(("input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "cache_position"))
+_MISSING = object()
 
 
 @dataclass
@@ -43,6 +46,8 @@ class _Captured:
     logits: torch.Tensor | None = None
     capture_s: float = 0.0  # the eager warm-up step plus the capture
     written: list[int] | None = None  # positions the forward writes into each cell (flat index)
+    written_cells: Any = None  # `operator.itemgetter` of the cells it writes (a tuple of their host lengths)
+    advances: list | None = None  # `(cell.advance, n)` of those cells (`LoopCache._host_advances`)
 
 
 class DecodeGraphs:
@@ -81,8 +86,8 @@ class DecodeGraphs:
         return graph, out
 
     # ---------------------------------------------------------------- the host side
-    def _key(self, cache: Any, kwargs: dict[str, Any]) -> tuple | None:
-        """The graph key of a call, or None if the call must run eagerly."""
+    def _key(self, cache: Any, kwargs: dict[str, Any], lengths: list[int]) -> tuple | None:
+        """The graph key of a call, or None if the call must run eagerly (`lengths`: the cells' host lengths)."""
         if not getattr(cache, "static", False):
             return None
         ids = kwargs.get("input_ids")
@@ -98,42 +103,42 @@ class DecodeGraphs:
             return None
         if pos is not None and (not isinstance(pos, torch.Tensor) or pos.shape[-1] != q):
             return None
-        lengths = cache._host_lengths()
         if cache._length_t is None or min(lengths) == 0 or max(lengths) + q > cache.max_cache_len:
             return None  # before the prefill or at the end of the storage: eager (raises there)
-        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache",
-                                                               "past_key_values", "cache_position")}
-        if not all(isinstance(v, _SCALARS) for v in rest.values()):
+        rest = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _INPUTS))
+        if not all(isinstance(v, _SCALARS) for _, v in rest):
             return None
         storage = cache.cells[0].k.data_ptr() if getattr(cache.cells[0], "k", None) is not None else 0
-        return (ids.shape[0], q, mask is not None, pos is not None, storage, tuple(sorted(rest.items())))
+        return (ids.shape[0], q, mask is not None, pos is not None, storage, rest)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = generate_cache(kwargs)
-        key = None if args else self._key(cache, kwargs)
+        lengths = None if args or not getattr(cache, "static", False) else cache._host_lengths()
+        key = None if lengths is None else self._key(cache, kwargs, lengths)
         if key is None:
             return self.model(*args, **kwargs)
         q = key[1]
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.shape[1] > q:  # earlier columns may have changed (holes of a verification)
             width = min(mask.shape[1] - q, cache.max_cache_len)
-            cache._valid_t[: mask.shape[0], :width].copy_(mask[:, :width].bool())
-        if key in cache._graphs and cache._graphs[key] is None:  # capture failed before: eager
+            cache._valid_t[: mask.shape[0], :width].copy_(mask[:, :width])  # one kernel: `copy_` casts to bool
+        entry = cache._graphs.get(key, _MISSING)
+        if entry is None:  # capture failed before: eager
             return self.model(*args, **kwargs)
-        entry = cache._graphs.get(key)
-        if entry is None:
+        if entry is _MISSING:
             return self._capture(key, cache, kwargs)
-        lengths = cache._host_lengths()
-        if len({n for n, w in zip(lengths, entry.written) if w}) != 1:  # type: ignore[arg-type]
-            return self.model(*args, **kwargs)  # the cells it writes disagree (a draft not rolled back): eager raises
+        written = entry.written_cells(lengths) if entry.written_cells is not None else (0, 1)
+        if min(written) != max(written):  # the cells it writes disagree (a draft not rolled back): eager raises
+            return self.model(*args, **kwargs)
         entry.input_ids.copy_(kwargs["input_ids"])
         if entry.attention_mask is not None:
             entry.attention_mask.copy_(mask[:, -q:])
         if entry.position_ids is not None:
             entry.position_ids.copy_(kwargs["position_ids"].reshape(entry.position_ids.shape))
         entry.graph.replay()
-        cache._advance_host(entry.written)
-        return CausalLMOutputWithPast(logits=entry.logits.clone(), **{OUTPUT_CACHE_FIELD: cache})
+        for advance, n in entry.advances:  # type: ignore[union-attr]
+            advance(n)
+        return causal_lm_output(entry.logits.clone(), cache)
 
     def _forward(self, entry: _Captured, cache: Any, kwargs: dict[str, Any]) -> Any:
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache",
@@ -161,6 +166,10 @@ class DecodeGraphs:
         logits = self._warm_up(lambda: self._forward(entry, cache, kwargs).logits.clone())
         lengths = cache._host_lengths()
         entry.written = [after - earlier for after, earlier in zip(lengths, before)]
+        entry.advances = cache._host_advances(entry.written)
+        cells = [i for i, n in enumerate(entry.written) if n]
+        if cells:  # (the first one twice: a tuple for a single cell too)
+            entry.written_cells = operator.itemgetter(*cells, cells[0])
         try:
             entry.graph, entry.logits = self._record(lambda: self._forward(entry, cache, kwargs).logits, cache)
         except RuntimeError as err:  # an op that cannot be captured: this batch size decodes eagerly from now on

@@ -118,13 +118,14 @@ def test_silu_mul_matches_reference(dtype):
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [80, 2048])
-@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("residual", [None, "before", "after"])
 def test_rms_norm_pair_matches_reference(dtype, n, residual):
-    """A residual norm and the norm after it in one kernel: both outputs within the reference's rounding."""
+    """A residual norm and the norm after it in one kernel (Huginn's residual before, Ouro's after): both outputs within
+    the reference's rounding."""
     x, w, w2 = _rand((3, 2, n), dtype, 0, 3.0), _rand((n,), dtype, 1), _rand((n,), dtype, 3)
-    r = _rand((3, 2, n), dtype, 2) if residual else None
-    h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, add_after=r)
-    ref_h, ref_normed = reference.ref_rms_norm_pair(x, w, 1e-6, w2, 1e-5, add_after=r)
+    kw = {} if residual is None else {f"add_{residual}": _rand((3, 2, n), dtype, 2)}
+    h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, **kw)
+    ref_h, ref_normed = reference.ref_rms_norm_pair(x, w, 1e-6, w2, 1e-5, **kw)
     for out, ref in ((h, ref_h), (normed, ref_normed)):
         assert out.shape == ref.shape and out.dtype == ref.dtype
         if dtype == torch.float32:
@@ -135,6 +136,10 @@ def test_rms_norm_pair_matches_reference(dtype, n, residual):
     # the second norm reads the first's output with its own weight (not `x`, not `w`)
     assert not torch.allclose(normed.float(), reference.ref_rms_norm(x, w2, 1e-5).float(), atol=1e-2)
     assert not torch.allclose(normed.float(), reference.ref_rms_norm(ref_h, w, 1e-5).float(), atol=1e-2)
+    if residual is not None:  # the residual is really applied where it belongs
+        other = reference.ref_rms_norm(x, w, 1e-6, **{("add_after" if residual == "before" else "add_before"): kw[
+            f"add_{residual}"]})
+        assert not torch.allclose(h.float(), other.float(), atol=1e-2)
 
 
 def _storage(dtype, rows, heads, n, d, seed):
@@ -187,9 +192,10 @@ def test_write_kv_bad_arguments_are_named():
 
 def test_rms_norm_pair_off_cuda_is_the_two_norms_bit_for_bit():
     x, w, w2, r = torch.randn(2, 3, 40), torch.randn(40), torch.randn(40), torch.randn(2, 3, 40)
-    h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, add_after=r)
-    first = fused.rms_norm(x, w, 1e-6, add_after=r)
-    assert torch.equal(h, first) and torch.equal(normed, fused.rms_norm(first, w2, 1e-5))
+    for side in ("add_before", "add_after"):
+        h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, **{side: r})
+        first = fused.rms_norm(x, w, 1e-6, **{side: r})
+        assert torch.equal(h, first) and torch.equal(normed, fused.rms_norm(first, w2, 1e-5))
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")

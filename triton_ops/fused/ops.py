@@ -85,19 +85,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | None
 
 
 def rms_norm_pair(x: Tensor, weight: Tensor, eps: float, next_weight: Tensor, next_eps: float, *,
-                  add_after: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`h = add_after + weight * norm(x)` and `next_weight * norm(h)`, both over the last axis, in one kernel on CUDA
-    (see `reference.ref_rms_norm_pair`): a layer's residual norm and the norm that reads its output (Ouro's
-    `input_layernorm_2` and `post_attention_layernorm`). Returns `(h, normed)`, each shaped like `x`."""
+                  add_before: Tensor | None = None, add_after: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`h = add_after + weight * norm(x + add_before)` and `next_weight * norm(h)`, both over the last axis, in one
+    kernel on CUDA (see `reference.ref_rms_norm_pair`): a layer's residual norm and the norm that reads its output
+    (Ouro's `input_layernorm_2` and `post_attention_layernorm`, Huginn's `norm_2` and `norm_3`). Returns
+    `(h, normed)`, each shaped like `x`."""
+    _check_rows("add_before", add_before, x)
     _check_rows("add_after", add_after, x)
     if next_weight.shape != weight.shape:
         raise ValueError(f"`next_weight` must have the shape {tuple(weight.shape)} of `weight`; got "
                          f"{tuple(next_weight.shape)}")
-    extra = [add_after] if add_after is not None else []
+    extra = [t for t in (add_before, add_after) if t is not None]
     if (not _fused("rms_norm", x, weight, next_weight, *extra) or weight.dtype != x.dtype
             or next_weight.dtype != x.dtype):
-        return reference.ref_rms_norm_pair(x, weight, eps, next_weight, next_eps, add_after=add_after)
-    out, out2 = _rms_norm(x, weight, eps, None, add_after, (next_weight, next_eps))
+        return reference.ref_rms_norm_pair(x, weight, eps, next_weight, next_eps, add_before=add_before,
+                                           add_after=add_after)
+    out, out2 = _rms_norm(x, weight, eps, add_before, add_after, (next_weight, next_eps))
     return out, out2  # type: ignore[return-value]
 
 
@@ -201,10 +204,17 @@ def write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor
             or any(t.stride(-1) != 1 for t in (k, v, key, value)) or positions.dtype != torch.long):
         reference.ref_write_kv(k, v, key, value, positions, clamp=clamp, modulo=modulo)
         return
-    if not key.numel():
-        return
+    _write_kv(k, v, key, value, positions, clamp, modulo)
+
+
+def _write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, clamp: int | None,
+              modulo: int | None) -> None:
     from triton_ops.fused.kernels import _write_kv_kernel
 
+    b, h, _, d = k.shape
+    q = positions.shape[0]
+    if not key.numel():
+        return
     with launch_device(k):
         _write_kv_kernel[(b * h, q)](
             key, value, positions, k, v, h, 0 if clamp is None else int(clamp), 1 if modulo is None else int(modulo),

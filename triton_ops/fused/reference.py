@@ -25,9 +25,9 @@ def ref_rms_norm(x: Tensor, weight: Tensor, eps: float, *, add_before: Tensor | 
 
 
 def ref_rms_norm_pair(x: Tensor, weight: Tensor, eps: float, next_weight: Tensor, next_eps: float, *,
-                      add_after: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`(h, next_weight * norm(h))` with `h = add_after + weight * norm(x)`: two `ref_rms_norm` calls."""
-    h = ref_rms_norm(x, weight, eps, add_after=add_after)
+                      add_before: Tensor | None = None, add_after: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`(h, next_weight * norm(h))` with `h = add_after + weight * norm(x + add_before)`: two `ref_rms_norm` calls."""
+    h = ref_rms_norm(x, weight, eps, add_before=add_before, add_after=add_after)
     return h, ref_rms_norm(h, next_weight, next_eps)
 
 

@@ -35,6 +35,8 @@ from transformers.modeling_utils import PreTrainedModel
 from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import (
+    STACK_TOKENS,
+    TOKEN_CHUNK,
     LoopForward,
     LoopGenerationMixin,
     OutputFlags,
@@ -80,12 +82,19 @@ class CausalSelfAttention(nn.Module):
         """Queries `[B, H, q, D]`, keys and values `[B, H_kv, q, D]` of the normed input `x` `[B, q, n_embd]`: the
         fused projection, the learned bias and the pair-wise RoPE (`cos` / `sin` fp32 `[B, q, 1, D/2]`)."""
         b, q_len, _ = x.shape
-        q, k, v = self.Wqkv(x).split(self.chunks, dim=2)
-        q = q.view(b, q_len, self.n_head, self.head_dim)
-        k = k.view(b, q_len, self.n_kv_heads, self.head_dim)
-        v = v.view(b, q_len, self.n_kv_heads, self.head_dim)
-        q_bias, k_bias = self.qk_bias.split(1, dim=0) if hasattr(self, "qk_bias") else (None, None)
-        q, k = fused.rotate_pairs(q, cos, sin, bias=q_bias), fused.rotate_pairs(k, cos, sin, bias=k_bias)
+        h, hk, d = self.n_head, self.n_kv_heads, self.head_dim
+        qkv = self.Wqkv(x)
+        q, k, v = qkv.split(self.chunks, dim=2)
+        v = v.view(b, q_len, hk, d)
+        bias = getattr(self, "qk_bias", None)
+        if hk == h and b * q_len <= STACK_TOKENS:  # a short input: queries and keys (adjacent) rotated by one launch
+            qk_bias = bias.reshape(1, 2 * h, d) if bias is not None else None
+            qk = fused.rotate_pairs(qkv[..., : 2 * h * d].view(b, q_len, 2 * h, d), cos, sin, bias=qk_bias)
+            q, k = qk[:, :, :h], qk[:, :, h:]
+        else:
+            q, k = q.view(b, q_len, h, d), k.view(b, q_len, hk, d)
+            q_bias, k_bias = bias.split(1, dim=0) if bias is not None else (None, None)
+            q, k = fused.rotate_pairs(q, cos, sin, bias=q_bias), fused.rotate_pairs(k, cos, sin, bias=k_bias)
         if q_len > 1:  # own the values, so the fused projection's output (3 hidden states a token) is freed here
             v = v.contiguous()
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -117,13 +126,18 @@ class SandwichBlock(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
     ) -> torch.Tensor:
         attn = self.attn
-        h = attention_half(
-            state,
-            slot,
-            x,
-            lambda piece, a, e: attn.project(self.norm_1(piece), *rope_span(rope, a, e)),
-            lambda o, piece: self.norm_2(attn.proj(o), add_before=piece),
-        )
+
+        def project(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return attn.project(self.norm_1(piece), *rope_span(rope, a, e))
+
+        b, t = x.shape[:2]
+        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): the attention half's residual
+            # norm and the MLP half's input norm read one row each, so they run as one kernel on CUDA
+            h, normed = attention_half(
+                state, slot, x, project, lambda o, piece: self.norm_2.then(attn.proj(o), self.norm_3, add_before=piece)
+            )
+            return self.norm_4(self.mlp(normed), add_before=h)
+        h = attention_half(state, slot, x, project, lambda o, piece: self.norm_2(attn.proj(o), add_before=piece))
         return by_token_chunks(lambda t: self.norm_4(self.mlp(self.norm_3(t)), add_before=t), h, out=h)
 
 
