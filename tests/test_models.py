@@ -232,10 +232,11 @@ def test_layer_outputs_are_freed_unless_hidden_states_are_asked_for(arch, keep):
 
 
 @pytest.mark.parametrize("arch", ["ouro", "huginn"])
-def test_decode_step_launches_one_rotation_one_write_and_three_norms_per_layer_call(monkeypatch, arch):
+def test_decode_step_launches_one_rotation_one_write_and_paired_norms_per_layer_call(monkeypatch, arch):
     """With the fused kernels on (their launchers replaced by counting references, so this runs on the CPU), a decode
     step over a static cache launches per layer call: one RoPE for queries and keys, one write of the cell's keys and
-    values, and three norms (the residual norm and the next norm as one), with the same logits as the op-by-op path."""
+    values, and fewer norms (a residual norm and the norm that reads its output as one), with the same logits as the
+    op-by-op path."""
     from hf_loopcache import FullLoopCache
     from triton_ops import fused
     from triton_ops.fused import ops, reference
@@ -273,7 +274,28 @@ def test_decode_step_launches_one_rotation_one_write_and_three_norms_per_layer_c
                 with contextlib.nullcontext() if on else fused.disabled():
                     logits.append(model(ids[:, :1], cache=cache, use_cache=True, **call_kwargs(arch)).logits)
     calls = len(cache.cells)  # one layer call per cell
-    other = launches.count("norm") - 3 * calls  # the model's own norms outside the layers (per loop, prelude, coda)
     assert launches.count("rotate") == calls and launches.count("write") == calls
-    assert 0 < other < calls
+    if arch == "ouro":  # each residual norm with the norm after it: the first layer's input norm of a loop alone
+        assert launches.count("norm") == 2 * calls + model.config.total_ut_steps
+    else:  # the same within each run of blocks (prelude, each core step, coda: its first `norm_1` alone; the last
+        # core block's output goes to the adapter), plus `ln_f` after the core (the coda's last block chains the other)
+        cfg = model.config
+        runs = 2 + (calls - cfg.n_layers_in_prelude - cfg.n_layers_in_coda) // cfg.n_layers_in_recurrent_block
+        assert launches.count("norm") == 2 * calls + runs + 1
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
+def test_ouro_chained_norms_follow_a_hook_that_replaces_a_layer_output(monkeypatch):
+    """A layer call hands the next layer its input norm (computed with its output in one kernel); a forward hook that
+    replaces the output gets its replacement normed instead, as the unchained forward does."""
+    from hf_loopcache.models.ouro import modeling_ouro
+
+    model = make_model("ouro")
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    model.model.layers[0].register_forward_hook(lambda mod, args, out: out * 1.5)
+    model.model.layers[-1].register_forward_hook(lambda mod, args, out: out - 0.25)
+    with torch.no_grad():
+        chained = model(ids, use_cache=False).logits
+        monkeypatch.setattr(modeling_ouro, "_norm_chain", lambda m: [None] * len(m.layers))
+        plain = model(ids, use_cache=False).logits
+    torch.testing.assert_close(chained, plain, rtol=0, atol=0)

@@ -255,6 +255,20 @@ class LoopForward:
     inputs: AttentionInputs
     layout: LoopLayout
     attentions: list[torch.Tensor] | None = None
+    #: `(out, norm(out))` a layer call left for the norm that reads its output (`pass_normed` / `take_normed`)
+    normed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pass_normed(self, out: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """Keep `normed` (the next norm of `out`, computed with `out` in one kernel) for the reader of `out`; returns
+        `out`."""
+        self.normed = (out, normed)
+        return out
+
+    def take_normed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The normed `x` a `pass_normed` left, if it was left for this very tensor (a forward hook that replaced the
+        output gets None: its norm is computed anew); released either way."""
+        kept, self.normed = self.normed, None
+        return kept[1] if kept is not None and kept[0] is x else None
 
     @classmethod
     def begin(

@@ -123,22 +123,43 @@ class SandwichBlock(nn.Module):
         self.norm_4 = RMSNorm(config.n_embd, eps=config.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        state: LoopForward,
+        slot: int,
+        next_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
+        """The block's output `[B, q, n_embd]`. With `next_norm` and an input of one piece (`b * q <= TOKEN_CHUNK`),
+        `next_norm(out)` comes from the same kernel as `out` (on CUDA) and is left in `state` for its reader
+        (`LoopForward.pass_normed`); `norm_1` takes what the previous call left for `x`."""
         attn = self.attn
 
         def project(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return attn.project(self.norm_1(piece), *rope_span(rope, a, e))
+            normed = state.take_normed(piece)
+            return attn.project(self.norm_1(piece) if normed is None else normed, *rope_span(rope, a, e))
 
         b, t = x.shape[:2]
-        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): the attention half's residual
-            # norm and the MLP half's input norm read one row each, so they run as one kernel on CUDA
+        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): each residual norm runs as one
+            # kernel with the norm that reads its output (on CUDA)
             h, normed = attention_half(
                 state, slot, x, project, lambda o, piece: self.norm_2.then(attn.proj(o), self.norm_3, add_before=piece)
             )
+            if next_norm is not None:
+                return state.pass_normed(*self.norm_4.then(self.mlp(normed), next_norm, add_before=h))
             return self.norm_4(self.mlp(normed), add_before=h)
         h = attention_half(state, slot, x, project, lambda o, piece: self.norm_2(attn.proj(o), add_before=piece))
         return by_token_chunks(lambda t: self.norm_4(self.mlp(self.norm_3(t)), add_before=t), h, out=h)
+
+
+def _norm_chain(blocks: Any, last: RMSNorm | None, short: bool) -> list[RMSNorm | None]:
+    """For each block of a run, the norm that reads its output (the next block's `norm_1`, the last block's `last`)
+    when the input is of one piece (`short`) and it sits on the block's device, else None (that norm runs alone)."""
+    nexts = [block.norm_1 for block in list(blocks)[1:]] + [last]
+    return [
+        nxt if short and nxt is not None and nxt.weight.device == block.norm_4.weight.device else None
+        for block, nxt in zip(blocks, nexts)
+    ]
 
 
 def _adapt(adapter: nn.Module) -> Any:
@@ -387,8 +408,13 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
         # every block's output is kept only when asked for: at 8K tokens they would hold 11 GiB per row (Huginn-0125)
         all_hidden: list[torch.Tensor] | None = [embeds] if flags.hidden_states else None
+        short = (
+            b * q_len <= TOKEN_CHUNK
+        )  # an input of one piece chains each block's last norm with the next one's first
+        prelude_chain = _norm_chain(self._part("prelude"), None, short)
+        core_chain = _norm_chain(self._part("core_block"), None, short)
         for i, block in enumerate(self._part("prelude")):
-            embeds = block(embeds, rope, state, i)
+            embeds = block(embeds, rope, state, i, next_norm=prelude_chain[i])
             if all_hidden is not None:
                 all_hidden.append(embeds)
 
@@ -399,7 +425,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
                 x = by_token_chunks(_adapt(self._part("adapter")), x.to(injected.device), injected)
                 adapter_device = x.device
                 for j, block in enumerate(self._part("core_block")):
-                    x = block(x, rope, state, n_pre + n_core * step + j)
+                    x = block(x, rope, state, n_pre + n_core * step + j, next_norm=core_chain[j])
                     if all_hidden is not None:
                         all_hidden.append(x)
             if injected.device != adapter_device:  # the adapter runs elsewhere: later steps meet it there
@@ -407,11 +433,13 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         del injected, embeds  # the coda reads neither (`hidden_states` keeps its own reference)
         x = by_token_chunks(self._part("ln_f"), x)  # in pieces: the eager norm's fp32 copies are per piece
         latent_states = x.clone().detach()
+        coda_chain = _norm_chain(self._part("coda"), self._part("ln_f"), short)
         for c, block in enumerate(self._part("coda")):
-            x = block(x, rope, state, -(c + 1))
+            x = block(x, rope, state, -(c + 1), next_norm=coda_chain[c])
             if all_hidden is not None:
                 all_hidden.append(x)
-        x = by_token_chunks(self._part("ln_f"), x)
+        normed = state.take_normed(x)  # the last coda block's chained norm is `ln_f`
+        x = normed if normed is not None else by_token_chunks(self._part("ln_f"), x)
         if all_hidden is not None:
             all_hidden[-1] = x
 

@@ -132,16 +132,25 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state: LoopForward, slot: int
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        state: LoopForward,
+        slot: int,
+        next_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
+        """The layer's output `[B, q, hidden]`. With `next_norm` and an input of one piece (`b * q <= TOKEN_CHUNK`),
+        `next_norm(out)` comes from the same kernel as `out` (on CUDA) and is left in `state` for its reader
+        (`LoopForward.pass_normed`); the input norm takes what the previous call left for `x`."""
         attn = self.self_attn
 
         def project(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return attn.project(self.input_layernorm(piece), *rope_span(rope, a, e))
+            normed = state.take_normed(piece)
+            return attn.project(self.input_layernorm(piece) if normed is None else normed, *rope_span(rope, a, e))
 
         b, t = x.shape[:2]
-        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): the attention half's residual
-            # norm and the MLP half's input norm read one row each, so they run as one kernel on CUDA
+        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): each residual norm runs as one
+            # kernel with the norm that reads its output (on CUDA)
             h, normed = attention_half(
                 state,
                 slot,
@@ -151,6 +160,10 @@ class OuroDecoderLayer(nn.Module):
                     attn.o_proj(o), self.post_attention_layernorm, add_after=piece
                 ),
             )
+            if next_norm is not None:
+                return state.pass_normed(
+                    *self.post_attention_layernorm_2.then(self.mlp(normed), next_norm, add_after=h)
+                )
             return self.post_attention_layernorm_2(self.mlp(normed), add_after=h)
         h = attention_half(
             state, slot, x, project, lambda o, piece: self.input_layernorm_2(attn.o_proj(o), add_after=piece)
@@ -278,12 +291,17 @@ class OuroModel(OuroPreTrainedModel):
         loop_hidden: list[torch.Tensor] = []
         gate_logits: list[torch.Tensor] = []
         keep = _positions(loop_states_to_keep)
+        # an input of one piece chains the norms: each layer's last norm returns the next layer's input norm (the last
+        # layer's, the model norm) from one kernel on CUDA; a norm on another device (a `device_map`) breaks the chain
+        chain = _norm_chain(self) if b * q_len <= TOKEN_CHUNK else [None] * n_layers
         for loop in range(num_loops):
             for layer_idx, layer in enumerate(self.layers):
-                hidden = layer(hidden, rope, state, loop * n_layers + layer_idx)
+                hidden = layer(hidden, rope, state, loop * n_layers + layer_idx, next_norm=chain[layer_idx])
                 if all_hidden is not None:
                     all_hidden.append(hidden)
-            hidden = by_token_chunks(self.norm, hidden)  # in pieces: the eager norm's fp32 copies are per piece
+            normed = state.take_normed(hidden)  # the last layer's chained norm is the model norm
+            # (else in pieces: the eager norm's fp32 copies are per piece)
+            hidden = normed if normed is not None else by_token_chunks(self.norm, hidden)
             if all_hidden is not None:
                 all_hidden[-1] = hidden
             kept = keep(hidden)
@@ -299,6 +317,16 @@ class OuroModel(OuroPreTrainedModel):
             **{OUTPUT_CACHE_FIELD: cache},
         )
         return flags.finish(output)
+
+
+def _norm_chain(model: OuroModel) -> list[RMSNorm | None]:
+    """For each layer, the norm that reads its output (the next layer's `input_layernorm`, the last layer's the model
+    norm) when it sits on the layer's device, else None (that norm runs on its own)."""
+    nexts = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+    return [
+        nxt if nxt.weight.device == layer.post_attention_layernorm_2.weight.device else None
+        for layer, nxt in zip(model.layers, nexts)
+    ]
 
 
 def _positions(to_keep: int | torch.Tensor) -> Any:
