@@ -254,8 +254,8 @@ def test_decode_step_launches_one_rotation_one_write_and_paired_norms_per_layer_
         fn = reference.ref_rotate_pairs if pairs else reference.ref_rotate_half
         return (fn(x, cos, sin, bias) if pairs else fn(x, cos, sin)).contiguous()
 
-    def write(k, v, key, value, positions, clamp, modulo):
-        reference.ref_write_kv(k, v, key, value, positions, clamp=clamp, modulo=modulo)
+    def write(k, v, key, value, positions, modulo, sink):
+        reference.ref_write_kv(k, v, key, value, positions, modulo=modulo, sink=sink)
 
     model = make_model(arch)
     ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(0))

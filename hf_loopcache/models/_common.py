@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MIN_QUERY_PIECE",
     "TOKEN_CHUNK",
+    "one_piece",
     "LoopForward",
     "LoopGenerationMixin",
     "OutputFlags",
@@ -73,6 +74,13 @@ class RMSNorm(nn.Module):
 TOKEN_CHUNK = 4096
 """Tokens (rows x positions) per piece of a forward of more tokens than this: the token-wise half of a layer (norm,
 MLP, norm, residual; `by_token_chunks`) and the queries of a prefill's attention half (`attention_half`)."""
+
+
+def one_piece(batch: int, length: int) -> bool:
+    """Whether a layer call over `batch x length` new tokens runs in one piece: `by_token_chunks` and `attention_half`
+    take none (decode steps, short prompts, blocks); read at call time, as those read `TOKEN_CHUNK`."""
+    return batch * length <= TOKEN_CHUNK
+
 
 MIN_QUERY_PIECE = 64
 """Fewest positions per query piece of `attention_half` (a batch of more than `TOKEN_CHUNK / 64` rows takes pieces of

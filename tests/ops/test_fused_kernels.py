@@ -149,45 +149,59 @@ def _storage(dtype, rows, heads, n, d, seed):
 
 @kernels
 @pytest.mark.parametrize(
-    "dtype, src_dtype, d, q, mode",
+    "dtype, src_dtype, d, q, n, mode",
     [
-        pytest.param(torch.float32, torch.float32, 16, 1, None, id="fp32-D16-q1"),
-        pytest.param(torch.float16, torch.float16, 96, 3, None, id="fp16-D96-q3"),
-        pytest.param(torch.float16, torch.float32, 32, 2, None, id="fp32-into-fp16-D32-q2"),
-        pytest.param(torch.float16, torch.float16, 32, 3, "modulo", id="fp16-D32-q3-ring"),
-        pytest.param(torch.float32, torch.float32, 16, 4, "clamp", id="fp32-D16-q4-sink"),
+        pytest.param(torch.float32, torch.float32, 16, 1, 12, None, id="fp32-D16-q1"),
+        pytest.param(torch.float16, torch.float16, 96, 3, 12, None, id="fp16-D96-q3"),
+        pytest.param(torch.float16, torch.float32, 32, 2, 12, None, id="fp32-into-fp16-D32-q2"),
+        pytest.param(torch.float16, torch.float16, 32, 3, 7, "ring", id="fp16-D32-q3-ring"),
+        pytest.param(torch.float32, torch.float32, 16, 6, 4, "ring", id="fp32-D16-q6-ring-of-4"),
+        pytest.param(torch.float32, torch.float32, 16, 4, 7, "sink", id="fp32-D16-q4-ring-and-sink"),
+        pytest.param(torch.float16, torch.float16, 96, 1, 7, "sink", id="fp16-D96-q1-ring-and-sink"),
     ],
 )
-def test_write_kv_equals_reference(dtype, src_dtype, d, q, mode):
-    """Both halves of a static cell's write in one launch: the same bytes as the two `index_copy_` everywhere, from
-    keys and values at the strides a model hands them over (heads-major views of a token-major projection)."""
-    b, h, n = 2, 3, 12
+def test_write_kv_equals_reference(dtype, src_dtype, d, q, n, mode):
+    """Every write of a static cell's step in one launch (the dense storage; a ring; a ring and its sink): the same
+    bytes as the `index_copy_` of the reference, from keys and values at the strides a model hands them over
+    (heads-major views of a token-major projection)."""
+    b, h = 2, 3
     kv = _rand((b, q, 2 * h, d), src_dtype, 5)  # token-major, keys and values side by side
     key, value = kv[:, :, :h].transpose(1, 2), kv[:, :, h:].transpose(1, 2)
-    kw: dict = {}
-    if mode is None:
-        positions = torch.tensor([5, 9, 2, 7][:q], device=DEVICE)
-    elif mode == "modulo":
-        positions, kw = torch.tensor([10, 11, 12], device=DEVICE), {"modulo": 7}  # wraps: slots 3, 4, 5
-    else:
-        positions, kw = torch.tensor([1, 2, 3, 4], device=DEVICE), {"clamp": 3}  # 3 and 4 share the scratch slot 3
+    positions = torch.tensor([5, 9, 2, 7, 11, 12][:q] if mode is None else list(range(10 - q, 10))[:q], device=DEVICE)
+    if mode == "sink" and q > 1:
+        positions = torch.tensor([1, 2, 3, 4][:q], device=DEVICE)  # 3 and 4 share the scratch slot 3
     k, v = _storage(dtype, b, h, n, d, 6), _storage(dtype, b, h, n, d, 7)
-    ref_k, ref_v = k.clone(), v.clone()
+    sk, sv = _storage(dtype, b, h, 4, d, 8), _storage(dtype, b, h, 4, d, 9)
+    ref = [t.clone() for t in (k, v, sk, sv)]
+    kw: dict = {} if mode is None else {"modulo": n}
+    if mode == "sink":
+        kw["sink"], ref_kw = (sk, sv, 3), {**kw, "sink": (ref[2], ref[3], 3)}
+    else:
+        ref_kw = kw
     fused.write_kv(k, v, key, value, positions, **kw)
-    reference.ref_write_kv(ref_k, ref_v, key, value, positions, **kw)
-    if mode == "clamp":  # the scratch slot's bytes are unspecified
-        k[:, :, 3], v[:, :, 3], ref_k[:, :, 3], ref_v[:, :, 3] = 0, 0, 0, 0
-    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
-    written = (positions.clamp(max=kw.get("clamp", n)) % kw.get("modulo", n + 1)).tolist()
-    assert not torch.equal(k[:, :, written[0]], _storage(dtype, b, h, n, d, 6)[:, :, written[0]])
+    reference.ref_write_kv(ref[0], ref[1], key, value, positions, **ref_kw)
+    for t in (sk, sv, ref[2], ref[3]):  # the scratch slot's bytes are unspecified
+        t[:, :, 3] = 0
+    for got, want in zip((k, v, sk, sv), ref):
+        assert torch.equal(got, want)
+    slot = int(positions[-1]) % n
+    assert not torch.equal(k[:, :, slot], _storage(dtype, b, h, n, d, 6)[:, :, slot])  # (something was written)
+    if mode == "sink":
+        first = min(int(positions[0]), 3)
+        assert torch.equal(sk[:, :, first], key[:, :, 0].to(dtype)) or first == 3
 
 
 def test_write_kv_bad_arguments_are_named():
     k = v = torch.zeros(2, 3, 8, 4)
+    one = torch.zeros(2, 3, 1, 4)
     with pytest.raises(ValueError, match="`value` must have shape"):
-        fused.write_kv(k, v, torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 2, 4), torch.tensor([0]))
+        fused.write_kv(k, v, one, torch.zeros(2, 3, 2, 4), torch.tensor([0]))
     with pytest.raises(ValueError, match="`k` and `v` must be one storage shape"):
-        fused.write_kv(k, v[:1], torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4), torch.tensor([0]))
+        fused.write_kv(k, v[:1], one, one, torch.tensor([0]))
+    with pytest.raises(ValueError, match="`sink` storage must be two tensors"):
+        fused.write_kv(k, v, one, one, torch.tensor([0]), sink=(k, v[:, :2], 3))
+    with pytest.raises(ValueError, match="scratch slot `clamp` must be in"):
+        fused.write_kv(k, v, one, one, torch.tensor([0]), sink=(k, v, 8))
 
 
 def test_rms_norm_pair_off_cuda_is_the_two_norms_bit_for_bit():
@@ -216,12 +230,12 @@ def test_fused_kernels_compile_for_sm90(kernel):
         floats = ("eps", "eps2")
     else:
         fn = kernels._write_kv_kernel
-        consts = dict(D=96, BLOCK_D=128, HAS_CLAMP=True, HAS_MODULO=True)
+        consts = dict(D=96, BLOCK_D=128, HAS_MODULO=True, HAS_SINK=True)
         floats = ()
     ptr = {"pos_ptr": "*i64"}
     sig = {
         a: "constexpr" if a in consts else ptr.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a in floats
-        else "i64" if a in ("CLAMP", "MODULO") else "i32"
+        else "i32"
         for a in fn.arg_names
     }
     try:

@@ -87,24 +87,28 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.con
 
 
 @triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, pos_ptr, k_ptr, v_ptr, H, CLAMP, MODULO,
+def _write_kv_kernel(key_ptr, value_ptr, pos_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, H, MODULO, RING_FROM, CLAMP,
                      stride_kb, stride_kh, stride_kq, stride_vb, stride_vh, stride_vq, stride_sb, stride_sh, stride_sn,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_MODULO: tl.constexpr):
+                     stride_tb, stride_th, stride_tn,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MODULO: tl.constexpr, HAS_SINK: tl.constexpr):
     """One program per (row and head, new position): `key` / `value` `[B, H, Q, D]` (any strides, last axis
-    contiguous) into the storage `k` / `v` `[B, H, N, D]` (the same strides) at slot `min(pos, CLAMP) % MODULO`, cast
-    to the storage's dtype: both halves of a cell's write in one launch."""
+    contiguous) into the storage `k` / `v` `[B, H, N, D]` (the same strides) at slot `pos % MODULO` (positions from
+    `RING_FROM` on), and with `HAS_SINK` also into `sk` / `sv` at slot `min(pos, CLAMP)`, cast to the storage's dtype:
+    every write of a cell's step in one launch."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_q = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    slot = tl.load(pos_ptr + i_q).to(tl.int64)
-    if HAS_CLAMP:
-        slot = tl.minimum(slot, CLAMP)
-    if HAS_MODULO:
-        slot = slot % MODULO
+    pos = tl.load(pos_ptr + i_q).to(tl.int64)
     b_k = tl.load(key_ptr + i_b * stride_kb + i_h * stride_kh + i_q * stride_kq + o_d, mask=m_d)  # [BLOCK_D]
     b_v = tl.load(value_ptr + i_b * stride_vb + i_h * stride_vh + i_q * stride_vq + o_d, mask=m_d)
-    o_s = i_b * stride_sb + i_h * stride_sh + slot * stride_sn + o_d
-    tl.store(k_ptr + o_s, b_k.to(k_ptr.dtype.element_ty), mask=m_d)
-    tl.store(v_ptr + o_s, b_v.to(v_ptr.dtype.element_ty), mask=m_d)
+    if i_q >= RING_FROM:  # (a ring of N slots keeps the last N positions)
+        slot = pos % MODULO if HAS_MODULO else pos
+        o_s = i_b * stride_sb + i_h * stride_sh + slot * stride_sn + o_d
+        tl.store(k_ptr + o_s, b_k.to(k_ptr.dtype.element_ty), mask=m_d)
+        tl.store(v_ptr + o_s, b_v.to(v_ptr.dtype.element_ty), mask=m_d)
+    if HAS_SINK:
+        o_t = i_b * stride_tb + i_h * stride_th + tl.minimum(pos, CLAMP) * stride_tn + o_d
+        tl.store(sk_ptr + o_t, b_k.to(sk_ptr.dtype.element_ty), mask=m_d)
+        tl.store(sv_ptr + o_t, b_v.to(sv_ptr.dtype.element_ty), mask=m_d)

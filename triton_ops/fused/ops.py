@@ -175,10 +175,10 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return out
 
 
-def write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, *, clamp: int | None = None,
-             modulo: int | None = None) -> None:
-    """Write new keys and values into a static cell's storage in place, both in one kernel on CUDA (two
-    `index_copy_` otherwise; see `reference.ref_write_kv`).
+def write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, *, modulo: int | None = None,
+             sink: tuple[Tensor, Tensor, int] | None = None) -> None:
+    """Write new keys and values into a static cell's storage in place: every write of the step in one kernel on
+    CUDA (two or four `index_copy_` and the slot arithmetic otherwise; see `reference.ref_write_kv`).
 
     Args:
         k, v (`torch.Tensor` of shape `[B, H, N, D]`): the storage (views of it: the first rows), the same strides,
@@ -186,39 +186,51 @@ def write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor
         key, value (`torch.Tensor` of shape `[B, H, Q, D]`): the new keys and values (any strides with the last axis
             contiguous; cast to the storage's dtype).
         positions (`torch.LongTensor` of shape `[Q]`): where each new position goes, on the storage's device.
-        clamp (`int`, *optional*): slots above it go to slot `clamp` (a sink's scratch slot).
-        modulo (`int`, *optional*): slots wrap around it (a ring).
+        modulo (`int`, *optional*): slots wrap around it (a ring; of more than `N` positions the last `N` are kept).
+        sink (`(sink_k, sink_v, clamp)`, *optional*): also write every position into the sink storage `[B, H, S + 1,
+            D]` at slot `min(position, clamp)` (positions past the sink go to its scratch slot `clamp`).
 
-    Slots must be distinct (except the scratch slot of `clamp`, whose bytes are then unspecified) and in `[0, N)`.
+    Slots must be distinct (except the sink's scratch slot, whose bytes are then unspecified) and in range.
     """
     if k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"`k` and `v` must be one storage shape [B, H, N, D]; got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
-    b, h, _, d = k.shape
+    b, h, n, d = k.shape
     q = positions.shape[0] if positions.dim() == 1 else -1
     for name, t in (("key", key), ("value", value)):
         if t.shape != (b, h, q, d):
             raise ValueError(f"`{name}` must have shape {(b, h, q, d)} (the storage's rows, heads and width, one "
                              f"position per entry of `positions` {tuple(positions.shape)}); got {tuple(t.shape)}")
-    if (not _fused("write_kv", k, v, key, value, positions) or k.stride() != v.stride()
-            or any(t.stride(-1) != 1 for t in (k, v, key, value)) or positions.dtype != torch.long):
-        reference.ref_write_kv(k, v, key, value, positions, clamp=clamp, modulo=modulo)
+    extra: list[Tensor] = []
+    if sink is not None:
+        sink_k, sink_v, clamp = sink
+        if sink_v.shape != sink_k.shape or sink_k.shape[:2] != (b, h) or sink_k.shape[3] != d:
+            raise ValueError(f"`sink` storage must be two tensors [{b}, {h}, S + 1, {d}]; got {tuple(sink_k.shape)} "
+                             f"and {tuple(sink_v.shape)}")
+        if not 0 <= clamp < sink_k.shape[2]:
+            raise ValueError(f"the sink's scratch slot `clamp` must be in [0, {sink_k.shape[2]}); got {clamp}")
+        extra = [sink_k, sink_v]
+    if (not _fused("write_kv", k, v, key, value, positions, *extra) or k.stride() != v.stride()
+            or (sink is not None and extra[0].stride() != extra[1].stride())
+            or any(t.stride(-1) != 1 for t in (k, v, key, value, *extra)) or positions.dtype != torch.long):
+        reference.ref_write_kv(k, v, key, value, positions, modulo=modulo, sink=sink)
         return
-    _write_kv(k, v, key, value, positions, clamp, modulo)
+    _write_kv(k, v, key, value, positions, modulo, sink)
 
 
-def _write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, clamp: int | None,
-              modulo: int | None) -> None:
+def _write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, modulo: int | None,
+              sink: tuple[Tensor, Tensor, int] | None) -> None:
     from triton_ops.fused.kernels import _write_kv_kernel
 
-    b, h, _, d = k.shape
+    b, h, n, d = k.shape
     q = positions.shape[0]
     if not key.numel():
         return
+    sk, sv, clamp = sink if sink is not None else (k, v, 0)
     with launch_device(k):
         _write_kv_kernel[(b * h, q)](
-            key, value, positions, k, v, h, 0 if clamp is None else int(clamp), 1 if modulo is None else int(modulo),
+            key, value, positions, k, v, sk, sv, h, 1 if modulo is None else int(modulo), max(0, q - n), int(clamp),
             key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            D=d, BLOCK_D=next_pow2(d), HAS_CLAMP=clamp is not None, HAS_MODULO=modulo is not None,
+            k.stride(0), k.stride(1), k.stride(2), sk.stride(0), sk.stride(1), sk.stride(2),
+            D=d, BLOCK_D=next_pow2(d), HAS_MODULO=modulo is not None, HAS_SINK=sink is not None,
             num_warps=1 if d <= 128 else 2)

@@ -59,11 +59,20 @@ def ref_silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def ref_write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, *, clamp: int | None = None,
-                 modulo: int | None = None) -> None:
-    """`k[:, :, slot] = key`, `v[:, :, slot] = value` (cast to the storage's dtype) at `slot = min(positions, clamp) %
-    modulo`: the static cells' write of new keys and values (`index_copy_` along the position axis, in place)."""
-    slots = positions if clamp is None else positions.clamp(max=clamp)
-    slots = slots if modulo is None else slots % modulo
+def ref_write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tensor, *, modulo: int | None = None,
+                 sink: tuple[Tensor, Tensor, int] | None = None) -> None:
+    """The static cells' write of new keys and values, in place, cast to the storage's dtype (`index_copy_` along the
+    position axis): `k[:, :, slot] = key`, `v[:, :, slot] = value` at `slot = positions % modulo` (of the last `N`
+    positions only when there are more: a ring keeps those), and with `sink = (sink_k, sink_v, clamp)` the same into
+    the sink at `min(positions, clamp)` first (its scratch slot `clamp` takes the positions past it)."""
+    if sink is not None:
+        sink_k, sink_v, clamp = sink
+        slots = positions.clamp(max=clamp)
+        sink_k.index_copy_(2, slots, key.to(sink_k.dtype))
+        sink_v.index_copy_(2, slots, value.to(sink_v.dtype))
+    n = k.shape[2]
+    if positions.shape[0] > n:
+        key, value, positions = key[:, :, -n:], value[:, :, -n:], positions[-n:]
+    slots = positions if modulo is None else positions % modulo
     k.index_copy_(2, slots, key.to(k.dtype))
     v.index_copy_(2, slots, value.to(v.dtype))

@@ -153,15 +153,15 @@ class _StaticWindowed(_StaticStorage):
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
         ring_k, ring_v = self._views()
+        sink = None
         if self.sink and self.length == 0:  # the prefill (eager): host slices
             n = min(self.sink, q)
             self.sink_k[:rows, :, :n] = key[:, :, :n]  # type: ignore[index]
             self.sink_v[:rows, :, :n] = value[:, :, :n]  # type: ignore[index]
         elif self.sink:  # a step or block after it: a short prompt's sink fills here, the scratch slot takes the rest
-            fused.write_kv(self.sink_k[:rows], self.sink_v[:rows], key, value, positions, clamp=self.sink)  # type: ignore[index]
-        if q > self.capacity:  # only the last `capacity` positions stay in the ring
-            key, value, positions = key[:, :, -self.capacity :], value[:, :, -self.capacity :], positions[-self.capacity :]
-        fused.write_kv(ring_k, ring_v, key, value, positions, modulo=self.capacity)  # one launch on CUDA
+            sink = (self.sink_k[:rows], self.sink_v[:rows], self.sink)  # type: ignore[index]
+        # the ring keeps the last `capacity` positions; with the sink, one launch on CUDA writes all four
+        fused.write_kv(ring_k, ring_v, key, value, positions, modulo=self.capacity, sink=sink)
         self.length += q
         self._moved()
 

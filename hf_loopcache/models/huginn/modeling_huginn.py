@@ -36,7 +36,6 @@ from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import (
     STACK_TOKENS,
-    TOKEN_CHUNK,
     LoopForward,
     LoopGenerationMixin,
     OutputFlags,
@@ -45,6 +44,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    one_piece,
     rope_span,
 )
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
@@ -140,7 +140,7 @@ class SandwichBlock(nn.Module):
             return attn.project(self.norm_1(piece) if normed is None else normed, *rope_span(rope, a, e))
 
         b, t = x.shape[:2]
-        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): each residual norm runs as one
+        if one_piece(b, t):  # both halves in one call (decode steps, short inputs): each residual norm runs as one
             # kernel with the norm that reads its output (on CUDA)
             h, normed = attention_half(
                 state, slot, x, project, lambda o, piece: self.norm_2.then(attn.proj(o), self.norm_3, add_before=piece)
@@ -408,9 +408,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
         # every block's output is kept only when asked for: at 8K tokens they would hold 11 GiB per row (Huginn-0125)
         all_hidden: list[torch.Tensor] | None = [embeds] if flags.hidden_states else None
-        short = (
-            b * q_len <= TOKEN_CHUNK
-        )  # an input of one piece chains each block's last norm with the next one's first
+        short = one_piece(b, q_len)  # an input of one piece chains each block's last norm with the next one's first
         prelude_chain = _norm_chain(self._part("prelude"), None, short)
         core_chain = _norm_chain(self._part("core_block"), None, short)
         for i, block in enumerate(self._part("prelude")):

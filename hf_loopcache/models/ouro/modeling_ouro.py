@@ -29,7 +29,6 @@ from transformers.modeling_utils import PreTrainedModel
 from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import (
-    TOKEN_CHUNK,
     LoopForward,
     LoopGenerationMixin,
     OutputFlags,
@@ -38,6 +37,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    one_piece,
     rope_span,
     stacked_linear,
     stacked_projection,
@@ -149,7 +149,7 @@ class OuroDecoderLayer(nn.Module):
             return attn.project(self.input_layernorm(piece) if normed is None else normed, *rope_span(rope, a, e))
 
         b, t = x.shape[:2]
-        if b * t <= TOKEN_CHUNK:  # both halves in one call (decode steps, short inputs): each residual norm runs as one
+        if one_piece(b, t):  # both halves in one call (decode steps, short inputs): each residual norm runs as one
             # kernel with the norm that reads its output (on CUDA)
             h, normed = attention_half(
                 state,
@@ -293,7 +293,7 @@ class OuroModel(OuroPreTrainedModel):
         keep = _positions(loop_states_to_keep)
         # an input of one piece chains the norms: each layer's last norm returns the next layer's input norm (the last
         # layer's, the model norm) from one kernel on CUDA; a norm on another device (a `device_map`) breaks the chain
-        chain = _norm_chain(self) if b * q_len <= TOKEN_CHUNK else [None] * n_layers
+        chain = _norm_chain(self) if one_piece(b, q_len) else [None] * n_layers
         for loop in range(num_loops):
             for layer_idx, layer in enumerate(self.layers):
                 hidden = layer(hidden, rope, state, loop * n_layers + layer_idx, next_norm=chain[layer_idx])
