@@ -231,13 +231,13 @@ def test_layer_outputs_are_freed_unless_hidden_states_are_asked_for(arch, keep):
         assert most_alive[0] <= 2, f"{most_alive[0]} of {calls} layer outputs were alive at once"
 
 
-@pytest.mark.parametrize("arch", ["ouro", "huginn"])
-def test_decode_step_launches_one_rotation_one_write_and_paired_norms_per_layer_call(monkeypatch, arch):
+@pytest.mark.parametrize("arch, cache_kind", [("ouro", "full"), ("huginn", "full"), ("ouro", "ripe")])
+def test_decode_step_launches_one_rotation_one_write_and_paired_norms_per_layer_call(monkeypatch, arch, cache_kind):
     """With the fused kernels on (their launchers replaced by counting references, so this runs on the CPU), a decode
     step over a static cache launches per layer call: one RoPE for queries and keys, one write of the cell's keys and
     values, and fewer norms (a residual norm and the norm that reads its output as one), with the same logits as the
     op-by-op path."""
-    from hf_loopcache import FullLoopCache
+    from hf_loopcache import FullLoopCache, RIPECache
     from triton_ops import fused
     from triton_ops.fused import ops, reference
 
@@ -261,7 +261,10 @@ def test_decode_step_launches_one_rotation_one_write_and_paired_norms_per_layer_
     ids = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(0))
     logits = []
     for on in (False, True):
-        cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=16)
+        if cache_kind == "full":
+            cache = FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=16)
+        else:  # static windowed cells with a sink: ring and sink written by one launch
+            cache = RIPECache(model, window=3, sink=2, static=True, max_batch_size=2, max_cache_len=16)
         with torch.no_grad():
             model(ids, cache=cache, use_cache=True, **call_kwargs(arch))
             with monkeypatch.context() as m:
@@ -274,7 +277,7 @@ def test_decode_step_launches_one_rotation_one_write_and_paired_norms_per_layer_
                 with contextlib.nullcontext() if on else fused.disabled():
                     logits.append(model(ids[:, :1], cache=cache, use_cache=True, **call_kwargs(arch)).logits)
     calls = len(cache.cells)  # one layer call per cell
-    assert launches.count("rotate") == calls and launches.count("write") == calls
+    assert launches.count("rotate") == calls and launches.count("write") == calls  # (a shared cell: ring and sink)
     if arch == "ouro":  # each residual norm with the norm after it: the first layer's input norm of a loop alone
         assert launches.count("norm") == 2 * calls + model.config.total_ut_steps
     else:  # the same within each run of blocks (prelude, each core step, coda: its first `norm_1` alone; the last
