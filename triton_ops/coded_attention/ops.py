@@ -64,6 +64,9 @@ gives the reference's cold set and output."""
 TAIL_BLOCK = 32
 """Positions per loop step of the dense tail (sink, window, new tokens)."""
 
+TAIL_MIN = 64
+"""Fewest window slots a tail program reads when the launcher spreads the window (`tuning["tail_chunk"]` overrides)."""
+
 DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 """Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
 deepest plane): history positions per loop step (a power of two >= 16), warps per program, software-pipelining depth,
@@ -170,9 +173,11 @@ def _coded_attention_fwd(
     if vpipe and vmode == "scores" and not read_prefix:
         vpipe = False  # one split per row block: v4's loop (H200, 8K x 64: 969 us against the pipelined 1,068)
     scores = read_prefix and vpipe and vmode == "scores"  # v5: the first pass also writes every token's score
-    # the window's slots per tail program: about a split's positions, so that a long window (LoopKV's 256 + a ring
-    # page) is not the one program every other one waits for when the history is split finely (batch 1)
-    tail = tune.get("tail_chunk") or max(TAIL_BLOCK, -(-max(pps, 1) * page // TAIL_BLOCK) * TAIL_BLOCK)
+    # the window's slots per tail program: half a split's positions, at least `TAIL_MIN`, so that a long window
+    # (LoopKV's 256 + a ring page) is not the one program every other one waits for when the history is split finely
+    # (H200, INT4 at 8K, the ring of 319 slots: batch 1 42.9 us in one tail program, 33.9 over a split's positions
+    # (3 programs), 30.4 over 64-slot ones; batch 2 50.4 / 45.5; batch >= 8 one program either way)
+    tail = tune.get("tail_chunk") or max(TAIL_MIN, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
     if not isinstance(tail, int) or tail < 1:
         raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail!r}")
     nt = max(1, -(-w_len // tail))
