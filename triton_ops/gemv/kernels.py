@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count of a block
 def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                      IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -59,7 +59,7 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
         tl.store(out_ptr + o_y, b_y.to(out_ptr.dtype.element_ty), mask=m_y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _gemv_reduce_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT, stride_os, HAS_BIAS: tl.constexpr,
                         BLOCK: tl.constexpr):
     """`out [M, N] = sum_s ws[s] (+ bias)`, the splits added in order 0, 1, ...; `out` contiguous."""
