@@ -206,16 +206,31 @@ def test_gemv_validates_its_arguments():
 # ---- the models, switch on, under the interpreter ----
 
 
+def _tiny(family):
+    from hf_loopcache import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+
+    if family == "ouro":  # per layer call: q/k/v stacked, o_proj, gate/up stacked, down_proj; 1 layer x 2 loops
+        cfg = OuroConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, total_ut_steps=2, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)  # fmt: skip
+        return OuroForCausalLM(cfg), 4 * 2
+    # per block: Wqkv, attn.proj, fc, mlp proj; prelude 1 + core 1 x 2 steps + coda 1
+    cfg = HuginnConfig(n_embd=32, n_heads=2, n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1,
+                       intermediate_size=48, vocab_size=64, mean_recurrence=2, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0)  # fmt: skip
+    return HuginnForCausalLM(cfg), 4 * 4
+
+
 @kernels
-def test_tiny_ouro_decode_matches_with_the_switch_on(on_cpu, monkeypatch):
-    """A tiny fp16 Ouro: a prompt, then one decode step; with the switch on the decode step's projections run the
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_tiny_model_decode_matches_with_the_switch_on(on_cpu, monkeypatch, family):
+    """A tiny fp16 model: a prompt, then one decode step; with the switch on every projection of the blocks runs the
     kernel (counted) and the logits match the switch off within fp16 tolerance."""
-    from hf_loopcache import FullLoopCache, OuroConfig, OuroForCausalLM
+    from hf_loopcache import FullLoopCache
 
     torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=2, total_ut_steps=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
-    model = OuroForCausalLM(cfg).to(DEVICE, torch.float16).eval()
+    model, per_forward = _tiny(family)
+    model = model.to(DEVICE, torch.float16).eval()
     ids = torch.randint(1, 64, (1, 5), device=DEVICE)
     launched = []
     real = ops._gemv_fwd
@@ -230,8 +245,7 @@ def test_tiny_ouro_decode_matches_with_the_switch_on(on_cpu, monkeypatch):
     off = decode()
     assert launched == []
     monkeypatch.setitem(GEMV_TUNING, "enabled", True)
-    monkeypatch.setitem(GEMV_TUNING, "max_rows", 4)  # the 4-token prompt also takes the kernel; the rows cap stays
+    monkeypatch.setitem(GEMV_TUNING, "max_rows", 4)  # the 4-token prompt takes the kernel too
     on = decode()
-    # per layer call: q/k/v stacked, o_proj, gate/up stacked, down_proj: 4 launches x 1 layer x 2 loops x 2 forwards
-    assert len(launched) == 16
+    assert len(launched) == 2 * per_forward
     torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2)
