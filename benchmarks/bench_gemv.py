@@ -25,16 +25,22 @@ import torch
 
 from benchmarks.common import environment, write_rows
 from hf_loopcache import HuginnConfig, OuroConfig
+from triton_ops._dispatch import next_pow2
 
 ROWS = (1, 2, 4, 8, 16)
 
-#: sweep candidates per row range: FMA (rows <= 4) and tensor-core tiles; `split` None is the default rule's. About 20
-#: compiles in all (FMA: each tile for 1, 2 and 4 rows; tensor cores: one per tile), each with and without a split
-FMA_CANDIDATES = [
-    {"block_n": 8, "block_k": 512, "dot": False, "num_warps": 4, "num_stages": 2, "split": None},
-    {"block_n": 4, "block_k": 1024, "dot": False, "num_warps": 4, "num_stages": 2, "split": None},
-    {"block_n": 8, "block_k": 512, "dot": False, "num_warps": 4, "num_stages": 2, "split": 1},
-]
+#: sweep candidates: FMA tiles per row count (the fp32 accumulator holds `rows x block_n x block_k / 128` values per
+#: thread, so wider tiles only for one row) and tensor-core tiles for every row count; `split` None is the default
+#: rule's. About 24 compiles in all (each tile with and without a K split), ~1 s each.
+def _fma(block_n: int, block_k: int, split: int | None = None) -> dict[str, Any]:
+    return {"block_n": block_n, "block_k": block_k, "dot": False, "num_warps": 4, "num_stages": 2, "split": split}
+
+
+FMA_CANDIDATES = {
+    1: [_fma(8, 512), _fma(8, 1024), _fma(4, 1024), _fma(16, 512), _fma(8, 512, 1)],
+    2: [_fma(8, 512), _fma(4, 1024), _fma(8, 512, 1)],
+    4: [_fma(4, 512), _fma(8, 256), _fma(4, 512, 1)],
+}
 DOT_CANDIDATES = [
     {"block_n": 16, "block_k": 256, "dot": True, "num_warps": 4, "num_stages": 3, "split": None},
     {"block_n": 32, "block_k": 256, "dot": True, "num_warps": 4, "num_stages": 3, "split": None},
@@ -68,7 +74,7 @@ TINY = {"tiny.a": (70, 200), "tiny.b": (48, 96)}
 
 
 def candidates(m: int) -> list[dict[str, Any]]:
-    return (FMA_CANDIDATES if m <= 4 else []) + DOT_CANDIDATES
+    return FMA_CANDIDATES.get(next_pow2(m), []) + DOT_CANDIDATES
 
 
 def _timer(dev: str):
