@@ -152,6 +152,7 @@ def test_switch_on_routes_cuda_only(monkeypatch):
     """On: CPU tensors stay on F.linear (the real device check); a CUDA call (simulated) of at most `max_rows` fp16 /
     bf16 rows without gradient takes the kernel, anything else cuBLAS."""
     monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
     h = torch.float16
     w = torch.randn(32, 64, dtype=h)
     assert not ops.routes(torch.randn(1, 64, dtype=h), w)  # CPU
@@ -167,6 +168,26 @@ def test_switch_on_routes_cuda_only(monkeypatch):
     assert not ops.routes(torch.randn(1, 64, dtype=h), w)
 
 
+def test_table_decides_per_shape_and_row_class(monkeypatch):
+    """`GEMV_CONFIGS`: None keeps cuBLAS for that row class; with `listed_only` (the default) an unlisted shape or row
+    class keeps cuBLAS too; a listed one takes the kernel with its settings."""
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
+    fma = {"block_n": 8, "block_k": 512, "dot": False, "num_warps": 4, "num_stages": 2, "split": 1}
+    monkeypatch.setitem(ops.GEMV_CONFIGS, (32, 64), {1: fma, 8: None})
+    w = torch.randn(32, 64, dtype=torch.float16)
+    assert ops.routes(torch.randn(1, 64, dtype=torch.float16), w)
+    assert not ops.routes(torch.randn(8, 64, dtype=torch.float16), w)  # cuBLAS measured faster
+    assert not ops.routes(torch.randn(6, 64, dtype=torch.float16), w)  # class 8
+    assert not ops.routes(torch.randn(2, 64, dtype=torch.float16), w)  # not measured
+    assert not ops.routes(torch.randn(1, 32, dtype=torch.float16), torch.randn(32, 32, dtype=torch.float16))
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
+    assert ops.routes(torch.randn(2, 64, dtype=torch.float16), w)
+    assert not ops.routes(torch.randn(8, 64, dtype=torch.float16), w)  # None still means cuBLAS
+    assert ops.gemv_config(1, 32, 64, 132) == fma
+    assert ops.gemv_config(8, 32, 64, 132) == ops.default_config(8, 32, 64, 132)
+
+
 def test_linear_calls_the_kernel_only_when_routed(monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))
@@ -174,6 +195,7 @@ def test_linear_calls_the_kernel_only_when_routed(monkeypatch):
     torch.testing.assert_close(gemv_pkg.linear(x, w), torch.nn.functional.linear(x, w))
     assert calls == []
     monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
     monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
     gemv_pkg.linear(x, w)
     gemv_pkg.linear(torch.randn(20, 64, dtype=torch.float16), w)
@@ -245,6 +267,7 @@ def test_tiny_model_decode_matches_with_the_switch_on(on_cpu, monkeypatch, famil
     off = decode()
     assert launched == []
     monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)  # (tiny shapes are not in the table)
     monkeypatch.setitem(GEMV_TUNING, "max_rows", 4)  # the 4-token prompt takes the kernel too
     on = decode()
     assert len(launched) == 2 * per_forward

@@ -20,17 +20,25 @@ from triton_ops.gemv.reference import ref_gemv
 
 __all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "routes"]
 
-GEMV_TUNING: dict[str, Any] = {"enabled": False, "max_rows": 16, "programs_per_sm": 1, "min_split_k": 512}
+GEMV_TUNING: dict[str, Any] = {
+    "enabled": False,
+    "listed_only": True,
+    "max_rows": 16,
+    "programs_per_sm": 1,
+    "min_split_k": 512,
+}
 """The models' switch and the defaults: `enabled` sends the decode projections of the native models (`linear`,
-`hf_loopcache.models._common`) to the kernel on CUDA (off until timed on the H200 against cuBLAS); `max_rows` is the
-most rows (all leading dims flattened) that take it; `programs_per_sm` is the programs the default split aims at per
-SM; `min_split_k` the fewest K values one split reads."""
+`hf_loopcache.models._common`) to the kernel on CUDA (off until timed on the H200 against cuBLAS); with `listed_only`
+only the shapes and row classes that `GEMV_CONFIGS` lists with settings take it (the measured wins), otherwise every
+shape does (`default_config` where none is listed); `max_rows` is the most rows (all leading dims flattened) that
+take it; `programs_per_sm` is the programs the default split aims at per SM; `min_split_k` the fewest K values one
+split reads."""
 
-GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
-"""Measured launch settings per `(N, K)` and row class (`next_pow2(M)`: 1, 2, 4, 8, 16), from
-`python -m benchmarks.run gemv --sweep` on the H200 (its `best` rows): `block_n`, `block_k`, `split` (K ranges; None
-for the default's), `dot` (tensor cores on rows padded to 16, else FMA), `num_warps`, `num_stages`. A shape or row
-class not listed takes `default_config`."""
+GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {}
+"""Measured launch settings per `(N, K)` and row class (`next_pow2(M)`: 1, 2, 4, 8, 16), pasted from the
+`*_configs.py` that `python -m benchmarks.run gemv` writes on the H200: `block_n`, `block_k`, `split` (K ranges; None
+for the default rule's), `dot` (tensor cores on rows padded to 16, else FMA), `num_warps`, `num_stages`; None where
+cuBLAS was faster (`linear` keeps `F.linear` there). `gemv` itself takes `default_config` where nothing is listed."""
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -74,8 +82,7 @@ def _split(cfg: dict[str, Any], n: int, k: int, sms: int) -> tuple[int, int]:
 
 def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
     """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, else `default_config`)."""
-    row_class = next_pow2(m)
-    found = GEMV_CONFIGS.get((n, k), {}).get(row_class)
+    found = GEMV_CONFIGS.get((n, k), {}).get(next_pow2(m))
     return {**default_config(m, n, k, sms), **found} if found else default_config(m, n, k, sms)
 
 
@@ -160,7 +167,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[
 
 def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether `linear` sends this call to the kernel: switched on (`GEMV_TUNING["enabled"]`), at most
-    `max_rows` rows, fp16 / bf16 inputs and weight of one dtype on CUDA with Triton, no gradient and no tracing."""
+    `max_rows` rows, a shape and row class `GEMV_CONFIGS` does not give to cuBLAS (and lists, with `listed_only`),
+    fp16 / bf16 inputs and weight of one dtype on CUDA with Triton, no gradient and no tracing."""
     if not GEMV_TUNING["enabled"] or torch.compiler.is_compiling():
         return False
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or weight.dim() != 2:
@@ -170,6 +178,10 @@ def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     k = weight.shape[1]
     if x.dim() < 1 or x.shape[-1] != k or k == 0 or not 0 < x.numel() // k <= int(GEMV_TUNING["max_rows"]):
         return False
+    listed = GEMV_CONFIGS.get((weight.shape[0], k), {})
+    row_class = next_pow2(x.numel() // k)
+    if listed.get(row_class, ...) is None or (GEMV_TUNING["listed_only"] and not listed.get(row_class)):
+        return False  # cuBLAS measured faster, or not measured
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the kernel has no backward
     return use_triton("gemv", x, weight)
