@@ -59,6 +59,7 @@ def _cdiv(a: int, b: int) -> int:
 def default_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
     """Settings for `M` rows of an `[N, K]` weight on `sms` SMs when `GEMV_CONFIGS` has none: FMA on narrow blocks for
     1-2 rows, tensor cores on 16-row tiles above; K split only when the feature blocks cannot fill the SMs."""
+    cfg: dict[str, Any]
     if m <= 2:
         cfg = {"block_n": 8, "block_k": 512, "dot": False, "num_warps": 4, "num_stages": 2}
     else:
