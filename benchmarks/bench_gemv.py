@@ -31,13 +31,13 @@ ROWS = (1, 2, 4, 8, 16)
 
 #: sweep candidates: FMA tiles per row count (the fp32 accumulator holds `rows x block_n x block_k / 128` values per
 #: thread, so wider tiles only for one row) and tensor-core tiles for every row count; `split` None is the default
-#: rule's. About 24 compiles in all (each tile with and without a K split), ~1 s each.
+#: rule's. About 26 compiles in all (each tile with and without a K split), ~1 s each.
 def _fma(block_n: int, block_k: int, split: int | None = None) -> dict[str, Any]:
     return {"block_n": block_n, "block_k": block_k, "dot": False, "num_warps": 4, "num_stages": 2, "split": split}
 
 
 FMA_CANDIDATES = {
-    1: [_fma(8, 512), _fma(8, 1024), _fma(4, 1024), _fma(16, 512), _fma(8, 512, 1)],
+    1: [_fma(8, 512), _fma(8, 1024), _fma(4, 1024), _fma(2, 2048), _fma(16, 512), _fma(8, 512, 1)],
     2: [_fma(8, 512), _fma(4, 1024), _fma(8, 512, 1)],
     4: [_fma(4, 512), _fma(8, 256), _fma(4, 512, 1)],
 }
