@@ -43,6 +43,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    linear,
     rope_span,
 )
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
@@ -80,7 +81,7 @@ class CausalSelfAttention(nn.Module):
         """Queries `[B, H, q, D]`, keys and values `[B, H_kv, q, D]` of the normed input `x` `[B, q, n_embd]`: the
         fused projection, the learned bias and the pair-wise RoPE (`cos` / `sin` fp32 `[B, q, 1, D/2]`)."""
         b, q_len, _ = x.shape
-        q, k, v = self.Wqkv(x).split(self.chunks, dim=2)
+        q, k, v = linear(self.Wqkv, x).split(self.chunks, dim=2)
         q = q.view(b, q_len, self.n_head, self.head_dim)
         k = k.view(b, q_len, self.n_kv_heads, self.head_dim)
         v = v.view(b, q_len, self.n_kv_heads, self.head_dim)
@@ -99,8 +100,8 @@ class GatedMLP(nn.Module):
         self.nonlin = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(fused.silu_mul(gate, up))  # one kernel on CUDA (`triton_ops.fused`)
+        gate, up = linear(self.fc, x).chunk(2, dim=-1)
+        return linear(self.proj, fused.silu_mul(gate, up))  # one kernel on CUDA (`triton_ops.fused`)
 
 
 class SandwichBlock(nn.Module):
@@ -122,7 +123,7 @@ class SandwichBlock(nn.Module):
             slot,
             x,
             lambda piece, a, e: attn.project(self.norm_1(piece), *rope_span(rope, a, e)),
-            lambda o, piece: self.norm_2(attn.proj(o), add_before=piece),
+            lambda o, piece: self.norm_2(linear(attn.proj, o), add_before=piece),
         )
         return by_token_chunks(lambda t: self.norm_4(self.mlp(self.norm_3(t)), add_before=t), h, out=h)
 

@@ -37,6 +37,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    linear,
     rope_span,
     stacked_linear,
     stacked_projection,
@@ -78,8 +79,8 @@ class OuroMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = stacked_linear(self, ("gate_proj", "up_proj"), x)
         if self.config.hidden_act == "silu":  # one kernel on CUDA (`triton_ops.fused`)
-            return self.down_proj(fused.silu_mul(gate, up))
-        return self.down_proj(self.act_fn(gate) * up)
+            return linear(self.down_proj, fused.silu_mul(gate, up))
+        return linear(self.down_proj, self.act_fn(gate) * up)
 
 
 class OuroAttention(nn.Module):
@@ -139,7 +140,7 @@ class OuroDecoderLayer(nn.Module):
             slot,
             x,
             lambda piece, a, e: attn.project(self.input_layernorm(piece), *rope_span(rope, a, e)),
-            lambda o, piece: self.input_layernorm_2(attn.o_proj(o), add_after=piece),
+            lambda o, piece: self.input_layernorm_2(linear(attn.o_proj, o), add_after=piece),
         )
         return by_token_chunks(
             lambda t: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(t)), add_after=t), h, out=h
