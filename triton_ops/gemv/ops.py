@@ -21,20 +21,86 @@ from triton_ops.gemv.reference import ref_gemv
 __all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "routes"]
 
 GEMV_TUNING: dict[str, Any] = {
-    "enabled": False,
+    "enabled": True,
     "listed_only": True,
     "max_rows": 16,
     "programs_per_sm": 1,
     "min_split_k": 512,
 }
 """The models' switch and the defaults: `enabled` sends the decode projections of the native models (`linear`,
-`hf_loopcache.models._common`) to the kernel on CUDA (off until timed on the H200 against cuBLAS); with `listed_only`
+`hf_loopcache.models._common`) to the kernel on CUDA (on: `GEMV_CONFIGS` holds the H200's measured wins); with `listed_only`
 only the shapes and row classes that `GEMV_CONFIGS` lists with settings take it (the measured wins), otherwise every
 shape does (`default_config` where none is listed); `max_rows` is the most rows (all leading dims flattened) that
 take it; `programs_per_sm` is the programs the default split aims at per SM; `min_split_k` the fewest K values one
 split reads."""
 
-GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {}
+GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
+    # H200 (torch 2.11, Triton 3.6, bf16; `python -m benchmarks.run gemv`, benchmarks/results/gemv_h200.json): the
+    # sweep's fastest settings where they beat cuBLAS, None where cuBLAS won
+    (2048, 2048): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        4: None,
+        8: None,
+        16: None,
+    },
+    (2048, 5632): {
+        1: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        4: None,
+        8: None,
+        16: None,
+    },
+    (5280, 5280): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (5280, 10560): {
+        1: {"block_n": 8, "block_k": 512, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (5280, 17920): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+        4: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+        8: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+        16: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+    },
+    (6144, 2048): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (11264, 2048): {
+        1: None,
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (15840, 5280): {
+        1: None,
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (35840, 5280): {
+        1: {"block_n": 8, "block_k": 512, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+}
 """Measured launch settings per `(N, K)` and row class (`next_pow2(M)`: 1, 2, 4, 8, 16), pasted from the
 `*_configs.py` that `python -m benchmarks.run gemv` writes on the H200: `block_n`, `block_k`, `split` (K ranges; None
 for the default rule's), `dot` (tensor cores on rows padded to 16, else FMA), `num_warps`, `num_stages`; None where
