@@ -21,6 +21,7 @@ REGISTRY = {
     "selfspec": ("benchmarks.bench_selfspec", "tests/generation/test_self_speculative.py"),
     "multi-gpu": ("benchmarks.bench_multi_gpu", "tests/cache/test_device_map.py"),
     "flush": ("benchmarks.bench_flush", "tests/ops/test_flush_page.py"),
+    "suite": ("benchmarks.suite", "tests/test_bench_suite.py"),
 }
 
 
