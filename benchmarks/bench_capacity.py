@@ -440,7 +440,8 @@ def run_cache(
     return row
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main` (the suite's tests parse its command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"], help="model shapes")
     parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=sorted(CACHES), help="caches")
@@ -460,6 +461,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--throughput-tokens", type=int, default=16, help="tokens of the graph throughput run")
     parser.add_argument("--share-time", action="store_true",
                         help="with --deadline-s: each row's search gets an equal share of the time left")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be >= 2 (one decode step to time), got {args.new_tokens}")

@@ -233,6 +233,14 @@ def run_one(
         return out, cache
 
     try:
+        if not peer and mode != "eager" and cache_name == "full" and device.startswith("cuda"):
+            needed = model.loop_layout.full_bytes(context) * batch
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            if needed > total:  # not attempted: filling the GPU to fail would disturb a process beside this one
+                raise torch.OutOfMemoryError(
+                    f"not attempted: the static full cache needs {needed / 2**30:.1f} GiB, more than the GPU's "
+                    f"{total / 2**30:.1f} GiB"
+                )
         if not peer and mode != "eager":  # inside the try: a static cache that does not fit is an `oom` row
             static_cache = CACHES[cache_name](model, static=True, max_batch_size=batch, max_cache_len=context)
             gen["disable_compile"] = mode == "static"
@@ -246,7 +254,7 @@ def run_one(
         row["warmup_prompt"] = int(warm_prompt.shape[1])
         # warm-up at this shape: Triton compiles a kernel per argument specialisation at its first launch (eager
         # rows included), a graph is captured in `graph` mode, transformers compiles the static peer's decode step
-        _, t_warm, _ = _timed(lambda: generate(4, warm_prompt), device)
+        _, t_warm, _ = _timed(lambda: generate(min(4, new_tokens), warm_prompt), device)
         row["compile_warmup_s" if peer and cache_name == "static" else "warmup_s"] = round(t_warm, 2)
         if mode == "graph" and static_cache is not None:
             row["capture_s"] = [step["capture_s"] for step in static_cache.captured_steps()]
@@ -358,7 +366,8 @@ def wait_for(path: str, timeout_s: float | None) -> float:
     return round(time.perf_counter() - start, 1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main` (the suite's tests parse its command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"], help="model shapes")
     parser.add_argument("--caches", nargs="+", default=["full"], choices=sorted(CACHES), help="looped-model caches")
@@ -393,6 +402,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be >= 2 (one decode step to time), got {args.new_tokens}")

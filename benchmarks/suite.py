@@ -45,6 +45,7 @@ from benchmarks import bench_capacity, bench_generate, common
 PARTS = ("generate", "capacity", "contexts", "peers", "all")
 #: shares of `--budget-s` of the parts run by `all`, in order
 ALL_SHARES = {"generate": 0.36, "capacity": 0.40, "contexts": 0.24}
+RUN_NAMES = {"benchmarks.bench_generate": "generate", "benchmarks.bench_capacity": "capacity"}
 LOOPED_CACHES = ("full", "ripe64", "deepest", "kivi4", "kivi4-vp", "kivi4-share", "hand")
 
 
@@ -115,7 +116,8 @@ def run_part(part: str, prefix: str, budget_s: float, **kw: Any) -> list[dict]:
         print(f"[suite] {part}/{name}: {module.__name__} {' '.join(full)}", flush=True)
         t = time.perf_counter()
         module.main(full)
-        done.append({"name": name, "module": module.__name__, "argv": full,
+        command = f"python -m benchmarks.run {RUN_NAMES[module.__name__]} {' '.join(full)}"
+        done.append({"name": name, "module": module.__name__, "argv": full, "command": command,
                      "seconds": round(time.perf_counter() - t, 1)})
     return done
 
