@@ -33,7 +33,7 @@ cleanly with what finished; with `--share-time` each row's search gets an equal 
 after it are not starved by one slow search). Huginn runs with `init_scale=0.0`.
 
 `--throughput graph` (for `--throughput-caches`, default all): after the search, decode tok/s at the largest batch
-with the cache built static and the step captured (`graph_throughput`: warm-up and capture from a 16-token prompt,
+with the cache built static and the step captured (`graph_throughput`: warm-up and capture from a 320-token prompt,
 then a timed generate of `--throughput-tokens` tokens per step; a batch that does not fit static is retried an eighth
 lower, at most 3 batches): `graph_at_largest` in the row, beside the eager probes' `decode_tokens_per_s_at_largest`
 (growable cache, eager step: bound by the host, not by the batch).
@@ -185,12 +185,12 @@ def graph_throughput(
     new_tokens: int,
     device: str,
     *,
-    warmup_prompt: int = 16,
+    warmup_prompt: int = 320,
     max_tries: int = 3,
 ) -> dict:
     """Decode tok/s at `batch` rows with the cache built static and decoded through `generate`'s captured step
     (`graph` mode of `bench_generate`): a warm-up generate of 2 tokens from a `warmup_prompt`-token prompt (captures
-    the step; its shape is the cache's, not the prompt's), `reset()`, then `context - new_tokens` prompt tokens and
+    the step, whose shape is the cache's, not the prompt's; 320 tokens code a LoopKV page, so its kernels compile), `reset()`, then `context - new_tokens` prompt tokens and
     `new_tokens` greedy tokens timed per step (`StepClock`). A batch that runs out of memory (static storage and the
     captured graph's pool come on top of what the search's growable probes held) is retried an eighth lower, at most
     `max_tries` batches. Off CUDA nothing is captured (the static cache decodes eagerly): the code path's check."""

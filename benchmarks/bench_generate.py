@@ -272,6 +272,7 @@ def run_one(
             (out, cache), t_total, _ = _timed(lambda: generate(new_tokens, clock=clock), device)
             steps, decode, cpu = clock.decode()
             t_prefill = t_total - decode
+            row["ms_per_decode_step_median"] = round(1000 * clock.median_step_s(), 3)
         row.update(
             status="ok",
             prefill_s=round(t_prefill, 4),
@@ -329,7 +330,9 @@ def precompile_static_peer(peer: Any, shape: str, batches: list[int], contexts: 
     generate of 4 tokens from a `warmup_prompt`-token prompt into a `StaticCache` of the measured length (the compiled
     step depends on the cache's shape only; a short prompt keeps the GPU nearly idle while other rows run). The cache
     is freed after each (a later one of the same shape reuses the compiled code; CUDA graphs are re-recorded by the
-    row's own warm-up). Returns {(batch, context): {"compile_warmup_s": s} or {"error": ...}}."""
+    row's own warm-up). A `fullgraph=True` compile that fails (a graph break) is retried once with `fullgraph=False`.
+    Returns {(batch, context): {"compile_warmup_s": s, "compile_config": the options used} or {"error": ...}}, and
+    under "fallback" the failed attempts."""
     from transformers import CompileConfig, StaticCache
 
     done: dict[tuple[int, int], dict] = {}
@@ -338,18 +341,29 @@ def precompile_static_peer(peer: Any, shape: str, batches: list[int], contexts: 
                   "status": "compiling"})
         ids = torch.randint(1, peer.config.vocab_size, (batch, warmup_prompt), device=device)
         kw: dict[str, Any] = {CACHE_KWARG: StaticCache(config=peer.config, max_cache_len=context)}
-        if compile_config is not None:
-            kw["compile_config"] = CompileConfig(**compile_config)
-        try:
-            _sync(device)
-            start = time.perf_counter()
-            peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
-                          do_sample=False, pad_token_id=0, **kw)
-            _sync(device)
-            seconds = time.perf_counter() - start
-            done[(batch, context)] = {"compile_warmup_s": round(seconds, 2)}
-        except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
-            done[(batch, context)] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+        options = compile_config
+        while True:
+            if options is not None:
+                kw["compile_config"] = CompileConfig(**options)
+            try:
+                _sync(device)
+                start = time.perf_counter()
+                peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                              do_sample=False, pad_token_id=0, **kw)
+                _sync(device)
+                seconds = time.perf_counter() - start
+                done[(batch, context)] = {"compile_warmup_s": round(seconds, 2), "compile_config": options}
+                break
+            except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
+                failed = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                if options is not None and options.get("fullgraph") and not isinstance(err, torch.OutOfMemoryError):
+                    # one graph was asked for and the model breaks it: transformers' default (graph breaks allowed)
+                    done.setdefault("fallback", []).append({"batch": batch, "context": context, "error": failed})
+                    options = {**options, "fullgraph": False}
+                    torch._dynamo.reset()
+                    continue
+                done[(batch, context)] = {"error": failed, "compile_config": options}
+                break
         kw.clear()
         gc.collect()
         reset_peak(device)
@@ -480,14 +494,19 @@ def main(argv: list[str] | None = None) -> None:
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
+                    first = compiled.get((batch, context), {}) if name == "static" else {}
                     row = run_one(peer, shape, name, batch, context, args.new_tokens, device, peer=True,
                                   count_kernels=args.count_kernels, timing=args.timing,
-                                  warmup_prompt=args.warmup_prompt, compile_config=compile_config,
+                                  warmup_prompt=args.warmup_prompt,
+                                  compile_config=first.get("compile_config", compile_config),
                                   quantized_backends=tuple(args.quantized_backends))
-                    if name == "static" and (batch, context) in compiled:  # compiled before the wait
-                        first = compiled[(batch, context)]
+                    if first:  # compiled before the wait: the row's own warm-up re-records the CUDA graphs
                         row["rewarm_s"] = row.pop("compile_warmup_s", None)
-                        row.update(first)
+                        row["compile_warmup_s"] = first.get("compile_warmup_s")
+                        if "error" in first:
+                            row["precompile_error"] = first["error"]
+                        if compiled.get("fallback"):
+                            row["compile_fallback"] = compiled["fallback"]
                     if waited is not None:
                         row["waited_s"] = waited
                     add(row, time.perf_counter() - start)

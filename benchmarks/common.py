@@ -124,6 +124,11 @@ class StepClock:
         """(decode steps, wall seconds, CPU seconds) from the first generated token to the last."""
         return len(self.times) - 1, self.times[-1] - self.times[0], self.cpu[-1] - self.cpu[0]
 
+    def median_step_s(self) -> float:
+        """The median decode step in seconds (a one-off step, e.g. a first kernel compile, does not move it)."""
+        steps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
+        return steps[len(steps) // 2] if len(steps) % 2 else (steps[len(steps) // 2 - 1] + steps[len(steps) // 2]) / 2
+
 
 def write_rows(name: str, rows: list[dict[str, Any]]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -20,9 +20,10 @@ finished; the rows carry the GPU and versions in the file's header):
 - `all`: `generate`, `capacity`, `contexts` in turn, each ending by its share of `--budget-s` (time a part leaves
   unused goes to the next).
 
-Every part times decode per step within one run (`--timing steps`: a synchronising logits processor) and warms a static
-cache up from a 16-token prompt (the captured or compiled step depends on the cache's shape only), so a row costs one
-prefill. A manifest `<prefix>_suite_<part>.json` records each part's command line and seconds. `--tiny` runs the
+Every part times decode per step within one run (`--timing steps`: a synchronising logits processor; the rows give the
+mean and the median step) and warms a static cache up from a 320-token prompt (the captured or compiled step depends
+on the cache's shape only; 320 tokens pass the LoopKV presets' sink and window, so a page is coded and its kernels
+compile), so a row costs one full prefill. A manifest `<prefix>_suite_<part>.json` records each part's command line and seconds. `--tiny` runs the
 same parts at micro shapes on the CPU (the suite's own check; numbers mean nothing there).
 
 On one H200 (see the README's benchmark section for the exact call):
@@ -56,7 +57,7 @@ def _settings(tiny: bool) -> dict[str, Any]:
                     long=[160, 320], new_tokens=4, capacity_contexts=[96, 160], budget_gib=0.02, warmup_prompt=8)
     return dict(device="cuda", dtype="bfloat16", ouro="ouro-1.4b", huginn="huginn-0125", context=8192,
                 long=[16384, 32768], new_tokens=32, capacity_contexts=[8192, 32768], budget_gib=24.0,
-                warmup_prompt=16)
+                warmup_prompt=320)
 
 
 def commands(part: str, prefix: str, budget_s: float, *, tiny: bool = False, peers_after: str | None = None,

@@ -45,9 +45,9 @@ def _cache_label(row: dict) -> str:
 def generate_table(rows: list[dict]) -> list[str]:
     """Decode rows (`bench_generate`): ms per step, tok/s, CPU ms per step, peak memory, stored bytes per token."""
     out = [
-        "| shape | cache | batch | context | ms / step | tok/s | CPU ms / step | peak GiB | stored B / token "
-        "| warm-up s | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| shape | cache | batch | context | ms / step | median ms | tok/s | CPU ms / step | peak GiB "
+        "| stored B / token | warm-up s | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         status = r.get("status", "-")
@@ -55,7 +55,8 @@ def generate_table(rows: list[dict]) -> list[str]:
             status = f"{status}: {r['error'][:60]}"
         out.append(
             f"| {r['shape']} | {_cache_label(r)} | {r['batch']} | {_fmt(r['context'])} | "
-            f"{_fmt(r.get('ms_per_decode_step'), 2)} | {_fmt(r.get('decode_tokens_per_s'))} | "
+            f"{_fmt(r.get('ms_per_decode_step'), 2)} | {_fmt(r.get('ms_per_decode_step_median'), 2)} | "
+            f"{_fmt(r.get('decode_tokens_per_s'))} | "
             f"{_fmt(r.get('cpu_ms_per_decode_step'), 2)} | {_fmt(r.get('peak_memory_gib'), 2)} | "
             f"{_fmt(r.get('cache_stored_bytes_per_token'), 0)} | "
             f"{_fmt(r.get('compile_warmup_s', r.get('warmup_s')), 1)} | {status} |"

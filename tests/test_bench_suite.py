@@ -86,6 +86,27 @@ def test_peers_compile_first_then_wait_for_the_file(tmp_path, monkeypatch):
     assert static["timing"] == "steps" and static["generated"] == 4 and static["ms_per_decode_step"] > 0
 
 
+def test_a_compile_that_breaks_the_graph_falls_back_once(monkeypatch):
+    """`fullgraph=True` failing (a graph break raises a RuntimeError) is retried with `fullgraph=False`; the options
+    used and the failed attempt are returned."""
+    peer = bench_generate.peer_model(build("micro-ouro", torch.float32, "meta"), torch.float32, "cpu")
+    real = peer.generate
+    asked = []
+
+    def generate(*args, compile_config=None, **kwargs):
+        asked.append(compile_config.fullgraph)
+        if compile_config.fullgraph:
+            raise RuntimeError("Unsupported: graph break (fake)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(peer, "generate", generate)
+    done = bench_generate.precompile_static_peer(peer, "micro-ouro", [2], [40], "cpu", warmup_prompt=8,
+                                                compile_config={"fullgraph": True, "dynamic": False})
+    assert asked == [True, False]
+    assert done[(2, 40)]["compile_config"] == {"fullgraph": False, "dynamic": False}
+    assert done["fallback"][0]["error"].startswith("RuntimeError: Unsupported")
+
+
 def test_missing_backend_oom_and_deadline_are_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     bench_generate.main(["--shapes", "micro-ouro", "--peers-only", "--peers", "quantized", "--quantized-backends",
@@ -142,6 +163,7 @@ def _files(tmp_path):
            "timestamp": "2026-12-02T01:00:00+00:00"}
     gen = [{"shape": "ouro-1.4b", "cache": c, "mode": "graph", "model": "looped", "batch": b, "context": ctx,
             "status": "ok", "ms_per_decode_step": 8.5 * b, "decode_tokens_per_s": 1000 / 8.5, "warmup_s": 2.0,
+            "ms_per_decode_step_median": 8.5 * b - 1,
             "cpu_ms_per_decode_step": 1.0, "peak_memory_gib": 9.0, "cache_stored_bytes_per_token": 786432.0}
            for c in ("full", "hand") for b in (1, 8) for ctx in (8192, 16384)]
     gen.append({"shape": "ouro-1.4b", "cache": "full", "mode": "graph", "model": "looped", "batch": 8,
@@ -164,8 +186,8 @@ def _files(tmp_path):
 def test_tables_are_the_rows_of_the_json(tmp_path):
     md = tables.tables(_files(tmp_path))
     assert "`gen.json`: NVIDIA H200, torch 2.11.0, transformers 5.17.0, Triton 3.6.0, 2026-12-02 01:00 UTC" in md
-    assert "| ouro-1.4b | full (graph) | 8 | 8,192 | 68.00 | 117.6 | 1.00 | 9.00 | 786,432 | 2.0 | ok |" in md
-    assert "| ouro-1.4b | peer: static | 1 | 8,192 | 16.20 | 61.7 |" in md and "| 95.0 | ok |" in md
+    assert "| ouro-1.4b | full (graph) | 8 | 8,192 | 68.00 | 67.00 | 117.6 | 1.00 | 9.00 | 786,432 | 2.0 | ok |" in md
+    assert "| ouro-1.4b | peer: static | 1 | 8,192 | 16.20 | - | 61.7 |" in md and "| 95.0 | ok |" in md
     assert "oom: CUDA out of memory. Tried to allocate 192 GiB" in md
     assert "| ouro-1.4b | hand | 8,192 | 24.0 | 156.0 | 17 | 16 | 0.94 | 20.5 | 120.0 | 16 | 640.0 | ok |" in md
 
