@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as _dt
 import gc
 import itertools
 import time
@@ -337,8 +338,10 @@ def precompile_static_peer(peer: Any, shape: str, batches: list[int], contexts: 
 
     done: dict[tuple[int, int], dict] = {}
     for context, batch in itertools.product(contexts, batches):
-        progress({"shape": shape, "cache": "static", "mode": "peer", "batch": batch, "context": context,
-                  "status": "compiling"})
+        progress({"shape": shape, "cache": "static", "mode": "peer", "model": "plain Qwen2 peer", "batch": batch,
+                  "context": context, "status": "compiling", "compile_started": _dt.datetime.now(_dt.timezone.utc)
+                  .isoformat(timespec="seconds"), "compile_config": compile_config, "compiled_before": {
+                      f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k: v for k, v in done.items()}})
         ids = torch.randint(1, peer.config.vocab_size, (batch, warmup_prompt), device=device)
         kw: dict[str, Any] = {CACHE_KWARG: StaticCache(config=peer.config, max_cache_len=context)}
         options = compile_config
@@ -486,6 +489,10 @@ def main(argv: list[str] | None = None) -> None:
                     progress=lambda partial: write_rows(args.out, [*rows, partial]),
                 )
                 print("static peer compiled:", compiled, flush=True)
+                write_rows(args.out, [*rows, {"shape": shape, "cache": "static", "mode": "peer",
+                                              "model": "plain Qwen2 peer", "status": f"compiled; waiting for {args.peers_after}",
+                                              "compiled": {f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k: v
+                                                           for k, v in compiled.items()}}])
             waited = wait_for(args.peers_after, args.peers_wait_s) if args.peers_after else None
             for name in args.peers:
                 for context, batch in itertools.product(args.context, args.batches):

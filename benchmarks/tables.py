@@ -54,7 +54,7 @@ def generate_table(rows: list[dict]) -> list[str]:
         if status not in ("ok", "deadline") and r.get("error"):
             status = f"{status}: {r['error'][:60]}"
         out.append(
-            f"| {r['shape']} | {_cache_label(r)} | {r['batch']} | {_fmt(r['context'])} | "
+            f"| {r['shape']} | {_cache_label(r)} | {_fmt(r.get('batch'))} | {_fmt(r.get('context'))} | "
             f"{_fmt(r.get('ms_per_decode_step'), 2)} | {_fmt(r.get('ms_per_decode_step_median'), 2)} | "
             f"{_fmt(r.get('decode_tokens_per_s'))} | "
             f"{_fmt(r.get('cpu_ms_per_decode_step'), 2)} | {_fmt(r.get('peak_memory_gib'), 2)} | "

@@ -32,6 +32,7 @@ def test_every_part_command_line_parses(part, tiny):
         ouro = [a for _, _, a, _ in runs if "ouro-1.4b" in a]
         assert {a[a.index("--contexts") + 1] for a in ouro} == {"8192", "32768"}
         assert all("graph" in a for _, _, a, _ in runs)
+        assert [a[a.index("--budget-gib") + 1] for _, _, a, _ in runs] == ["24.0", "32.0", "32.0"]
     if part == "contexts" and not tiny:
         assert args.context == [16384, 32768] and args.batches == [1, 8] and args.modes == ["graph"]
 
@@ -44,9 +45,10 @@ def test_a_part_splits_its_budget_touches_the_release_file_and_writes_a_manifest
     suite.main(["--part", "capacity", "--budget-s", "100", "--prefix", "t", "--release", str(release), "--tiny"])
     assert release.exists() and len(seen) == 3
     deadlines = [float(a[a.index("--deadline-s") + 1]) for a in seen]
-    assert deadlines[0] == pytest.approx(45, abs=1) and deadlines[1] == pytest.approx(70, abs=1)  # cumulative shares
+    assert deadlines[0] == pytest.approx(40, abs=1) and deadlines[1] == pytest.approx(70, abs=1)  # cumulative shares
     manifest = json.loads((tmp_path / "t_suite_capacity.json").read_text())
     assert [r["name"] for r in manifest["runs"]] == ["capacity_ouro_8k", "capacity_huginn_8k", "capacity_ouro_32k"]
+    assert [a[a.index("--budget-gib") + 1] for a in seen] == ["0.02"] * 3
     assert manifest["runs"][0]["command"].startswith("python -m benchmarks.run capacity --shapes micro-ouro")
     with pytest.raises(SystemExit, match="--budget-s must be > 0"):
         suite.main(["--part", "all", "--budget-s", "0"])
