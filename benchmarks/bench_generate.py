@@ -177,8 +177,9 @@ def run_one(
 ) -> dict[str, Any]:
     """One row. `timing="pair"`: decode = a full run minus a prefill-only run; `"steps"`: one run, decode timed from
     the first generated token to the last by a synchronising logits processor (`StepClock`). `warmup_prompt`: the
-    warm-up run of a static cache (ours in `static` / `graph` mode, the `static` peer) uses the prompt's first
-    `warmup_prompt` tokens (the captured or compiled step depends on the cache's shape, not the prompt's length)."""
+    warm-up run of a static cache (ours in `static` / `graph` mode, the `static` peer) and of the quantized peer uses
+    the prompt's first `warmup_prompt` tokens (the captured or compiled step depends on the cache's shape, not the
+    prompt's length)."""
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
     torch.manual_seed(batch)
@@ -205,7 +206,9 @@ def run_one(
     gen = dict(do_sample=False, pad_token_id=0, **extra)
     static_cache = None
     peer_kwargs: dict[str, Any] = {}
-    static = (not peer and mode != "eager") or (peer and cache_name == "static")
+    # a short warm-up suffices where the step's shape is the cache's (static caches) or nothing compiles per prompt
+    # length (the quantized peer: its first run only imports and builds the backend)
+    static = (not peer and mode != "eager") or (peer and cache_name in ("static", "quantized"))
     short = warmup_prompt if static and warmup_prompt is not None and warmup_prompt < prompt_len else None
 
     def generate(tokens: int, prompt: torch.Tensor = ids, clock: StepClock | None = None) -> tuple[torch.Tensor, Any]:
