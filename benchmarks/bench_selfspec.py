@@ -652,15 +652,12 @@ def main(argv: list[str] | None = None) -> None:
                 probe["shape"] = shape
                 print(probe, flush=True)
                 rows.append(probe)
-    done: dict[tuple[str, int], float] = {}  # (shape, batch) -> longest row so far (s)
+    done: dict[tuple, float] = {}  # (shape, batch) -> longest row so far, (shape, cache, batch) -> its row (s)
     for batch in args.batches:
         for shape in args.shapes:
             model, tok, step_s = models[shape]
             for cache_name in args.caches:
-                # before the first row of this shape and batch: the sequential baseline's steps and about as many
-                # step-equivalents for the speculative run, from the warm-up step, with a margin; then the longest row
-                first = 1.5 * step_s * 3 * args.new_tokens * (1 + batch / 8)
-                estimate = 1.1 * done[(shape, batch)] if (shape, batch) in done else first
+                estimate = _estimate(done, shape, cache_name, batch, step_s, args.new_tokens)
                 if estimate > left():
                     rows.append(
                         {
@@ -684,6 +681,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["acceptance_source"] = source
                 row["row_wall_s"] = round(time.perf_counter() - t0, 1)
                 done[(shape, batch)] = max(done.get((shape, batch), 0.0), row["row_wall_s"])
+                done[(shape, cache_name, batch)] = row["row_wall_s"]
                 print(row, flush=True)
                 rows.append(row)
                 write_rows(args.out, rows)  # after every row: a call cut short keeps what it measured
@@ -694,6 +692,19 @@ def main(argv: list[str] | None = None) -> None:
     plot(rows, png)
     print("wrote", png)
     print(summary(rows))
+
+
+def _estimate(done: dict[tuple, float], shape: str, cache: str, batch: int, step_s: float, new_tokens: int) -> float:
+    """Seconds a row will take, to skip what does not fit the budget: the same shape and cache at a smaller batch
+    (x 2: a batch-8 step costs about twice a batch-1 step on the H200), else the longest row of this shape and batch,
+    else from the warm-up's step time (an eager step including the prefill: an upper bound) for the sequential run's
+    steps and about twice as many step-equivalents for the speculative runs, with a margin."""
+    smaller = [b for (s, c, b) in (k for k in done if len(k) == 3) if s == shape and c == cache and b < batch]
+    if smaller:
+        return 1.1 * 2 * done[(shape, cache, max(smaller))]
+    if (shape, batch) in done:
+        return 1.1 * done[(shape, batch)]
+    return 1.5 * step_s * 3 * new_tokens * (1 + batch / 8)
 
 
 def mark_fallbacks(row: dict[str, Any], before: dict[str, int], after: dict[str, int]) -> None:

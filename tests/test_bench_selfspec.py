@@ -133,3 +133,12 @@ def test_a_row_whose_kernel_falls_back_is_refused_before_it_is_timed(tmp_path, m
     rows = json.loads((tmp_path / "refused.json").read_text())["rows"]
     assert rows[0]["status"].startswith("fallback") and not timed
     assert any("head_dim 96 (test)" in msg for msg in rows[0]["fallbacks"])
+
+
+def test_a_row_estimate_scales_the_same_cache_at_a_smaller_batch():
+    """The budget estimate of a batch-8 row comes from the same shape and cache at batch 1 (not from the slowest
+    row of batch 1, e.g. a coded plan's kernel compilation), else from this batch's longest row, else the warm-up."""
+    done = {("s", 1): 20.0, ("s", "full", 1): 5.0, ("s", "kivi", 1): 20.0}
+    assert bench._estimate(done, "s", "full", 8, 0.1, 64) == 1.1 * 2 * 5.0
+    assert bench._estimate(done, "s", "ripe64", 1, 0.1, 64) == 1.1 * 20.0
+    assert bench._estimate({}, "s", "full", 8, 0.1, 64) == 1.5 * 0.1 * 3 * 64 * 2
