@@ -11,7 +11,15 @@ One step, per row of the batch (gpt-fast's shape, in small named functions):
    *holes* (`attention_mask` False). Position ids count a row's real tokens (the cumsum of the mask, as for left
    padding), and windowed cells (RIPE, LoopKV) count their read boundary in each row's *effective* positions (holes
    left out, `attention.effective_positions`), so a row's window holds its own last `W` tokens. No row waits or
-   re-prefills.
+   re-prefills. The call ends when every row has stopped; a row that stopped earlier stays in the batch (its share
+   of each forward is spent, its outputs are dropped), so over a call of `n` tokens per row the batch advances at its
+   slowest row's pace: about `n / E[max_b T_b]` tokens per row per verification, `T_b` the verifications row `b` needs
+   (`benchmarks/bench_selfspec.py`, `batch_tokens_per_verification`). No per-block rule can shorten that tail (the
+   slowest row decides when the call ends; dropping stopped rows would only make the remaining forwards cheaper,
+   which at memory-bound batch sizes is little); a server that refills stopped rows gets Eq. (7)'s tau per row.
+
+Host work per block: one host read of device values (the accepted lengths and tokens, one `.tolist()` after the
+verification), none in the drafts; the rollbacks and the commit are host bookkeeping plus a few device writes.
 
 Why holes are exact (full cache; RIPE with `W >= gamma`): a hole is a masked key, so it gets zero attention weight, and
 every real key keeps its position id and, in effective positions, its distance to every later query. Each real key is
