@@ -504,12 +504,19 @@ class LoopCache(Cache):
         since; deeper cuts restore the straddling page from its codes. Shared cells are cut before their sources."""
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"`length` must be a non-negative int, got {length!r}")
-        shared_first = sorted(  # a static coded shared cell cut below its ring reads its source as it was
-            self.cells, key=lambda layer: not isinstance(layer, (SharedLayer, StaticCodedSharedLayer))
-        )
-        for layer in shared_first:
-            layer.truncate(min(layer.get_seq_length(), length))
+        for layer in self._shared_first():
+            if layer.get_seq_length() > length:  # every cell's `truncate` leaves a cell holding <= `length` alone
+                layer.truncate(length)
         self._sync_device_length()
+
+    def _shared_first(self) -> list[LoopLayerBase]:
+        """The cells in rollback order: shared cells before their sources (a static coded shared cell cut below its
+        ring reads its source as it was). Sorted once per cell list (self-speculation rolls back twice per block)."""
+        cached = self.__dict__.get("_rollback_order")
+        if cached is None or cached[0] is not self.cells or len(cached[1]) != len(self.cells):
+            order = sorted(self.cells, key=lambda layer: not isinstance(layer, (SharedLayer, StaticCodedSharedLayer)))
+            cached = self.__dict__["_rollback_order"] = (self.cells, order)
+        return cached[1]
 
     def loop_lengths(self) -> list[int]:
         """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a
