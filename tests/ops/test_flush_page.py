@@ -235,11 +235,12 @@ def test_flush_page_errors_name_the_argument():
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("coded", [False, True], ids=["every-due-page", "coded-slots"])
 @pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
-def test_flush_kernel_compiles_for_sm90(nbits):
+def test_flush_kernel_compiles_for_sm90(nbits, coded):
     """The interpreter runs Python, not Triton's compiler (which, e.g., needs one type per name across a branch):
     compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels, pages and groups of
-    32, a validity mask), with no GPU."""
+    32, a validity mask, with and without the `coded` slots), with no GPU."""
     triton = pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
     from triton.backends.compiler import GPUTarget
@@ -248,10 +249,41 @@ def test_flush_kernel_compiles_for_sm90(nbits):
     from triton_ops.quant.kernels import _flush_page_fwd_kernel as fn
 
     consts = dict(D=128, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=16 * nbits, BLOCK_NG=4, BLOCK_K=8,
-                  USE_VALID=True)  # fmt: skip
+                  USE_VALID=True, USE_CODED=coded)  # fmt: skip
     ptr = dict(k_ptr="bf16", v_ptr="bf16", slots_ptr="i64", valid_ptr="i1", due_ptr="i1", start_ptr="i64",
                floor_ptr="i64", page_ptr="i64", codes_ptr="u8", kscale_ptr="fp16", kzero_ptr="fp16", hi_ptr="u8",
-               lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16")  # fmt: skip
+               lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16", coded_ptr="i32")  # fmt: skip
+    sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as err:  # no ptxas in this Triton build
+        if "ptxas" in str(err).lower():
+            pytest.skip(str(err).splitlines()[0])
+        raise
+    assert kernel.asm.get("cubin")
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("kind", ["keys", "keys-valid", "values"])
+@pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
+def test_quantize_kernels_compile_for_sm90(kind, nbits):
+    """The page quantizers (which share their group-code helpers with the static flush) compile for sm_90 as a
+    prefill launches them (bf16, Ouro's 128 channels, pages and groups of 32), with no GPU."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_ops.quant import kernels
+
+    if kind.startswith("keys"):
+        fn = kernels._quantize_keys_fwd_kernel
+        consts = dict(D=128, NBITS=nbits, GROUP=32, BLOCK_G=32, BLOCK_C=16 * nbits, USE_VALID=kind == "keys-valid")
+        ptr = dict(x_ptr="bf16", valid_ptr="i1", codes_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
+    else:
+        fn = kernels._quantize_values_fwd_kernel
+        consts = dict(D=128, NBITS=nbits, GROUP=32, BLOCK_T=16, BLOCK_NG=4, BLOCK_K=8)
+        ptr = dict(x_ptr="bf16", hi_ptr="u8", lo_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
     sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     try:
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))

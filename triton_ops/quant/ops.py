@@ -217,10 +217,13 @@ def _flush_page_fwd(
     floor: Tensor,
     scratch_page: int,
     valid: Tensor | None,
+    coded: Tensor | None = None,
 ) -> None:
     """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2, K)` (keys / values of each of the K pages),
     writing rows `[0, B)` of the page storage in place; the programs of a page that is not due (or no longer held)
-    exit at once and write nothing (`scratch_page` is the reference's; the kernel leaves it alone). The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
+    exit at once and write nothing (`scratch_page` is the reference's; the kernel leaves it alone), and so do those of
+    a page whose `coded` slot already holds it. The ring may have any strides; the storage needs unit stride on its
+    last dim, and `hi` /
     `lo`, the two key metadata tensors and the two value metadata tensors must share their strides."""
     from triton_ops.quant.kernels import _flush_page_fwd_kernel
 
@@ -245,6 +248,7 @@ def _flush_page_fwd(
         v_ptr=ring_value,
         slots_ptr=slots,
         valid_ptr=valid if valid is not None else slots,  # any pointer; unused without USE_VALID
+        coded_ptr=coded if coded is not None else slots,  # any pointer; unused without USE_CODED
         due_ptr=due,
         start_ptr=start,
         floor_ptr=floor,
@@ -288,6 +292,7 @@ def _flush_page_fwd(
         BLOCK_NG=next_pow2(d // gs),
         BLOCK_K=next_pow2(gs // 4),
         USE_VALID=valid is not None,
+        USE_CODED=coded is not None,
     )
 
 
@@ -304,6 +309,7 @@ def flush_page(
     floor: Tensor,
     scratch_page: int,
     valid: Tensor | None = None,
+    coded: Tensor | None = None,
 ) -> None:
     """Code `K` pages of a ring into page storage, in place: the flush of a static coded cell's forward. Same contract
     and bytes as `triton_ops.quant.naive.flush_page` (gather the ring slots, `quantize_keys` over each page with
@@ -334,6 +340,11 @@ def flush_page(
             not written (device-side indexing, no host branch); its bytes are unspecified.
         valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): False marks padding positions, left out of the
             key pages' min / max.
+        coded (`torch.IntTensor` of shape `[B', H, 2, K]`, contiguous, *optional*): per row, head and plane (keys,
+            values), the page last coded in each of `K` slots (page `n` in slot `n % K`; -1: none). A due page is
+            coded only where its slot does not hold it yet, and its slot then does (each program owns its slot: no
+            race, no atomics), so a forward in which no page became due codes nothing. The caller clears the slots of
+            pages whose positions change (a crop into them, a reset). Without it every due page is coded.
 
     Example:
         >>> from triton_ops.quant import QuantizedKeys, QuantizedValues, flush_page
@@ -349,9 +360,9 @@ def flush_page(
         >>> bool(keys.scale[:, :, 1].any())
         True
     """
-    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
     if not use_triton("flush_page", ring_key):
-        naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+        naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
         return
     with launch_device(ring_key):  # the tensor's GPU, not the current one (multi-GPU `device_map`)
-        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)

@@ -434,6 +434,9 @@ class StaticCodedLayer(_StaticWindowed):
         self.num_pages = max(1, math.ceil(max(0, max_cache_len - sink) / page_size))  # + a scratch page (`flush`)
         self.qk: QuantizedKeys | None = None
         self.qv: QuantizedValues | None = None
+        # `flush_page`'s `coded` slots ([rows, heads, 2, K] int32, page n in slot n % K, -1: none): the pages the
+        # device flush has coded, so that a page is coded in the forward where it becomes due and skipped after
+        self.coded_t: torch.Tensor | None = None
 
     @property
     def option(self) -> str:
@@ -463,6 +466,24 @@ class StaticCodedLayer(_StaticWindowed):
             nbits=self.nbits,
             group_size=self.group,
         )
+        k = flush_pages(self.page, self.rollback)
+        self.coded_t = torch.full((rows, heads, 2, k), -1, dtype=torch.int32, device=device)
+
+    def _forget(self, first_page: int = 0) -> None:
+        """The flush codes pages from `first_page` on again when they are due (their positions change: a crop into
+        them, a reset, a new prefill, rows reordered)."""
+        if self.coded_t is None:
+            return
+        if first_page <= 0:
+            self.coded_t.fill_(-1)
+        else:
+            self.coded_t.masked_fill_(self.coded_t >= first_page, -1)
+
+    def _coded_slots(self) -> torch.Tensor | None:
+        """The `coded` slots for `flush_page`, or None (code every due page every forward) when the rollback reserve
+        exceeds the window: a page could then be coded before its positions' holes are known, and only the re-coding
+        of the following forwards, while the page is among the `K`, would correct it."""
+        return self.coded_t if self.rollback <= self.window else None
 
     def _history(self):
         assert self.qk is not None and self.qv is not None  # noqa: S101 - allocated by the first write
@@ -535,6 +556,7 @@ class StaticCodedLayer(_StaticWindowed):
         flush_page(
             ring_k, ring_v, keys, values, slots=geo["slots"], page=geo["page"], due=geo["due"], start=geo["start"],
             floor=self.floor_t, scratch_page=self.num_pages, valid=None if mask is None else mask[: self.rows],
+            coded=self._coded_slots(),
         )  # fmt: skip
 
     def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
@@ -617,6 +639,7 @@ class StaticCodedLayer(_StaticWindowed):
         positions = self._positions(q, read)
         if self.length == 0:
             n = q
+            self._forget()  # a new prefill: every page is new
             out = self._prefill(query, key, value, read, positions)
             h = window_boundary(n, sink=self.sink, window=self.window, page_size=self.page)
             if h > self.sink:  # the prompt's pages, straight from its keys and values
@@ -637,6 +660,40 @@ class StaticCodedLayer(_StaticWindowed):
         if end > first:
             self.code_range(first, end, self.valid)
         return end
+
+    # ---------------------------------------------------------------- crop, batch, reset: the coded slots
+    def truncate(self, length: int) -> None:
+        """`_StaticWindowed.truncate`, and the pages from the one holding `length` on are coded again when due (their
+        positions from `length` on will be written anew). Only when a coded page may reach `length`
+        (`_coded_reach`): a crop within a rollback reserve well inside the window issues no device op."""
+        old, high = self.length, self.high
+        super().truncate(length)
+        if length < old and length < self._coded_reach(high):
+            self._forget(max(0, length - self.sink) // self.page)
+
+    def _coded_reach(self, high: int) -> int:
+        """A bound (host) on the end of every page the device flush may have coded while the cell held at most `high`
+        positions: a page ends at the page boundary at or above a history end, which lies at most `W` before the
+        query (storage positions; holes only widen the gap), or at the ring's low end `high - (C - R)`; a draft's
+        queries run up to `R - 1` positions past what a source holds."""
+        reach = max(high + self.rollback - 1 - self.window, high - (self.capacity - self.rollback), self.sink)
+        return self.sink + self.page * -(-(reach - self.sink) // self.page)
+
+    def reset(self) -> None:
+        super().reset()
+        self._forget()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        self._forget()  # the rows' pages moved (they are coded; the slots need only not claim a page wrongly)
+
+    def resize(self, rollback: int) -> None:
+        super().resize(rollback)
+        k = flush_pages(self.page, rollback)
+        if self.coded_t is not None and self.coded_t.shape[-1] != k:
+            self.coded_t = torch.full((*self.coded_t.shape[:-1], k), -1, dtype=torch.int32, device=self.coded_t.device)
+        else:
+            self._forget()  # `_coded_reach` assumes the reserve the pages were coded under
 
     # ---------------------------------------------------------------- the source side
     def readable_limit(self, length: int | None = None) -> int:
