@@ -191,6 +191,42 @@ def test_flush_page_kernel_bit_exact(case, nbits, dtype):
     _assert_same_store(_to(got, "cpu"), want, case.N)
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
+def test_flush_page_kernel_with_coded_slots_bit_exact(case, nbits):
+    """With `coded` slots (some holding their page already, some not, one more row than written): the kernel writes
+    the same bytes as the reference and leaves the same slots; a (row, head, plane) whose slot held the page keeps the
+    page's old bytes."""
+    from triton_ops.quant.ops import _flush_page_fwd
+
+    ring_k, ring_v, geo = _inputs(case, nbits, torch.float32)
+    store = _store(case, nbits, 3)
+    g = torch.Generator().manual_seed(5)
+    pages = geo["page"].reshape(-1)  # [K]
+    held = torch.rand(case.B + 1, case.H, 2, case.K, generator=g) < 0.5
+    coded = torch.full((case.B + 1, case.H, 2, case.K), -1, dtype=torch.int32)
+    coded[..., pages % case.K] = torch.where(held, pages.to(torch.int32), -1)
+    ref, ref_coded = _to(store, "cpu"), coded.clone()
+    naive.flush_page(ring_k, ring_v, *ref, **geo, coded=ref_coded)
+    got, got_coded = _to(store, DEVICE), coded.to(DEVICE)
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in geo.items()}
+    _flush_page_fwd(ring_k.to(DEVICE), ring_v.to(DEVICE), *got, dev["slots"], dev["page"], dev["due"], dev["start"],
+                    dev["floor"], dev["scratch_page"], dev["valid"], got_coded)  # fmt: skip
+    _assert_same_store(_to(got, "cpu"), ref, case.N)
+    assert torch.equal(got_coded.cpu(), ref_coded)
+    written = geo["due"] & (geo["start"] >= geo["floor"])  # [K]
+    holds = ref_coded[: case.B][..., pages % case.K] == pages.to(torch.int32)  # [B, H, 2, K], page k's slot
+    assert torch.equal(holds, written | held[: case.B])
+    assert torch.equal(ref_coded[case.B :], coded[case.B :])
+    if written[0]:  # a (row, head, plane) whose slot held the page: its old key bytes stay
+        t0 = case.page * case.P
+        for b in range(case.B):
+            for h in range(case.H):
+                if held[b, h, 0, 0]:
+                    assert torch.equal(ref[0].codes[b, h, t0 : t0 + case.P], store[0].codes[b, h, t0 : t0 + case.P])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch to Triton needs CUDA")
 def test_flush_page_dispatches_to_the_kernel_on_cuda(monkeypatch):
     from triton_ops.quant import ops
