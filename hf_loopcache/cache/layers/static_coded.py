@@ -19,7 +19,12 @@ holes a row's effective positions span more storage), so every page below was co
 a page again from the same positions and validity gives the same codes. Page indices are device values, the writes
 `index_copy_`, and a page not due (below the sink, or no longer held by the ring, e.g. after a crop deeper than the
 rollback reserve) goes to a scratch page past the last one: no host branch, nothing allocated that depends on the
-length. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
+length. A page is coded once, in the forward where it becomes due: the cell keeps, on the device, per row, head and
+plane the page last coded in each of `K` slots (`coded_t`, page `n` in slot `n % K`, `flush_page`'s `coded`), and
+a page its slot already holds is skipped (its codes were made from the same positions and final validity), so the
+`P - 1` forwards in `P` in which no page becomes due code nothing. The slots are forgotten from the page holding
+the new length on by a crop that may reach a coded page (`_coded_reach`; none within a reserve well inside the
+window), entirely by `reset`, a new prefill, `select_batch` and `resize`. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
 row) is left out of its page's key scales, as the growable `CodedLayer` codes it; with `W >= gamma` no page is coded
 before its positions' holes are known. A shared cell asks its source for those pages before it reads (once per
 forward: the source's own attend comes later in a complete forward, and never in a draft).
@@ -548,7 +553,8 @@ class StaticCodedLayer(_StaticWindowed):
         reads): the forward is the same either way. `triton_ops.quant.flush_page` does it all in one kernel launch on
         CUDA (gather, quantize, pick the pages, write; the device-side geometry read in the kernel, whose programs exit
         at once for a page that is not due), with the reference's torch ops elsewhere; the bytes of every page a
-        reader reads are the same."""
+        reader reads are the same. With the `coded` slots (`_coded_slots`) a page is coded only in the forward where
+        it becomes due (see the module docstring)."""
         geo = self._geometry(read, positions)
         ring_k, ring_v = self._views()
         mask = geo["valid"]
@@ -625,7 +631,7 @@ class StaticCodedLayer(_StaticWindowed):
         """Make the codes readable for this forward, on the device (once per forward: shared cells call it on their
         source before their read): `flush` the `K` pages below the largest history end of the forward's queries.
         Every page below those was coded by an earlier forward (the boundary moves by at most `K - 1` pages a
-        forward, `flush_pages`), and coding a page again gives the same codes."""
+        forward, `flush_pages`), and coding a page again would give the same codes: the `coded` slots skip it."""
         key = ("static-coded-flush", id(self))
         if key not in read.memo:
             self.flush(read, positions)
