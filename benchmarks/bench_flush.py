@@ -1,7 +1,8 @@
 """The page flush of a static LoopKV decode step: what one forward's flushes over every coded cell cost as a captured
-step pays them, with the library's flush (`triton_ops.quant.flush_page`, one launch per cell, coding a page only in
-the forward where it becomes due), the same kernel re-coding every due page every forward (the rule before the
-`coded` slots: what a forward in which a page becomes due costs), and the op-by-op path the kernel replaced, beside
+step pays them, with the library's flush (`triton_ops.quant.flush_page_table`: one launch per code format in a
+complete forward, coding a page only in the forward where it becomes due), the same without the `coded` slots
+(re-coding every due page every forward: what a forward in which a page becomes due costs), both with one launch per
+cell (`flush_page`; without slots, the flush before this change), and the op-by-op path the kernel replaced, beside
 the captured decode step's time (issue #14: "the flush step that quantizes every cell's page under 5% of a decode
 step").
 
@@ -19,11 +20,14 @@ static cache of `--context` positions; sink 32, window 256, pages of 32; the pro
 - `step_ms`: the captured decode step of the same cache, batch and context through `generate`
   (`bench_generate.run_one(mode="graph")`: (full - prefill-only) / steps; one run per cache and batch, with the
   library's flush). `flush_fraction = graph_ms / step_ms`.
-- Paths (`--paths`): `fused`, the library's flush; the graph replays after the first find the page coded, so this is
-  the cost of the `P - 1` forwards in `P` in which no page becomes due. `fused-every`, the kernel without the slots
-  (every due page coded every forward): the cost of the forward in which a page becomes due. `unfused`, op by op
-  (ring `index_select`, the Triton quantizers, `torch.where`, seven `index_copy_`). `mean_step_flush_ms` (on the
-  `fused` row) = ((P - 1) * fused + fused-every) / P, the flush's average per decode step.
+- Paths (`--paths`): `table`, the library's flush (in a complete forward one launch per code format over a device
+  table of the cells' storage, `FlushGroup`; each page coded once: the graph replays after the first find the page
+  coded, so this is the cost of the `P - 1` forwards in `P` in which no page becomes due); `table-every`, the same
+  launch without the `coded` slots (every due page coded every forward: the cost of the forward in which a page
+  becomes due); `percell` and `percell-every`, the same with one launch per cell (`percell-every` is the flush before
+  this change); `unfused`, op by op per cell (ring `index_select`, the Triton quantizers, `torch.where`, seven
+  `index_copy_`). `mean_step_flush_ms` (on the `table` and `percell` rows) = ((P - 1) * idle + due) / P, the flush's
+  average per decode step.
 - `bytes_equal`: the page each cell's flush writes holds the same bytes on every path (checked, not timed).
 
 GPU: `python -m benchmarks.run flush --out flush_h200_v2` (kivi4, kivi4-share, hand at batches 1 and 8, context
@@ -44,10 +48,14 @@ import torch
 
 from benchmarks.common import build, write_rows
 from hf_loopcache.cache.layers import StaticCodedLayer
+from hf_loopcache.cache.layers.static_coded import FlushGroup
 from hf_loopcache.cache.read import ReadState
 from hf_loopcache.cache.storage import quantize_pages
 
-PATHS = ("unfused", "fused-every", "fused")
+PATHS = ("unfused", "percell-every", "percell", "table-every", "table")
+_SWITCHES = {  # path: (one launch per code format (`FlushGroup`), the `coded` slots)
+    "percell-every": (False, False), "percell": (False, True), "table-every": (True, False), "table": (True, True),
+}  # fmt: skip
 CACHES = ("kivi4", "kivi4-share", "hand")
 
 
@@ -74,27 +82,33 @@ def unfused_flush(cell: StaticCodedLayer, read: ReadState, positions: torch.Tens
 
 @contextlib.contextmanager
 def flush_path(path: str):
-    """Every `StaticCodedLayer` flushes by `path` inside the block (`fused` is the library's own `flush`,
-    `fused-every` the same kernel without the `coded` slots)."""
+    """Every `StaticCodedLayer` flushes by `path` inside the block: `table` is the library's own (one launch per code
+    format in a complete forward, each page coded once); `-every` without the `coded` slots (every due page coded every
+    forward), `percell` one launch per cell, `unfused` op by op per cell."""
     if path not in PATHS:
         raise ValueError(f"`path` must be one of {PATHS}, got {path!r}")
-    original, slots = StaticCodedLayer.flush, StaticCodedLayer._coded_slots
+    original, slots, group = StaticCodedLayer.flush, StaticCodedLayer._coded_slots, FlushGroup.flush
+    table, coded = _SWITCHES.get(path, (False, False))
     if path == "unfused":
         StaticCodedLayer.flush = unfused_flush  # type: ignore[method-assign]
-    elif path == "fused-every":
+    if not coded:
         StaticCodedLayer._coded_slots = lambda self: None  # type: ignore[method-assign]
+    if not table:
+        FlushGroup.flush = lambda self, cell, read, positions: False  # type: ignore[method-assign]
     try:
         yield
     finally:
         StaticCodedLayer.flush, StaticCodedLayer._coded_slots = original, slots  # type: ignore[method-assign]
+        FlushGroup.flush = group  # type: ignore[method-assign]
 
 
 def _step_flushes(cells: list[StaticCodedLayer], positions: torch.Tensor, valid: torch.Tensor, length: int):
-    """One decode step's flushes: a fresh per-forward state (the shared geometry is computed once, in the first
-    cell's flush, as in a forward), then every coded cell's flush."""
+    """One decode step's flushes, as a complete forward runs them: a fresh per-forward state (the shared geometry is
+    computed once, memoized), then every coded cell's `prepare` (the first flushes its whole `FlushGroup` in one
+    launch on the `table` paths; the others find themselves flushed)."""
     read = ReadState(key_valid=None, scaling=1.0, positions=positions, static_valid=valid, length=length)
     for cell in cells:
-        cell.flush(read, positions)
+        cell.prepare(read, positions)
 
 
 def _written_pages(cells, positions, valid, length) -> list[int]:
@@ -195,7 +209,7 @@ def flush_rows(model, shape: str, cache_name: str, batch: int, context: int, new
                 times = _time(fn, device)
                 kernels = _count_kernels(fn)
         written[path] = [t.clone() for cell, page in zip(cells, pages) for t in _page_views(cell, page)]
-        impl = ("triton" if device.startswith("cuda") else "reference") if path.startswith("fused") else "op-by-op"
+        impl = "op-by-op" if path == "unfused" else "triton" if device.startswith("cuda") else "reference"
         rows.append({
             "shape": shape, "cache": cache_name, "path": path, "batch": batch, "context": context, "prompt": prompt,
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "coded_cells": len(cells),
@@ -205,10 +219,11 @@ def flush_rows(model, shape: str, cache_name: str, batch: int, context: int, new
             "kernels_per_step_flush": kernels, "pages_due": sum(p < c.num_pages for p, c in zip(pages, cells)),
         })  # fmt: skip
     by_path = {r["path"]: r for r in rows}
-    if "fused" in by_path and "fused-every" in by_path and cells:
-        p = cells[0].page
-        mean = ((p - 1) * by_path["fused"]["graph_ms"] + by_path["fused-every"]["graph_ms"]) / p
-        by_path["fused"]["mean_step_flush_ms"] = round(mean, 4)
+    for idle, due in (("percell", "percell-every"), ("table", "table-every")):
+        if idle in by_path and due in by_path and cells:
+            p = cells[0].page
+            mean = ((p - 1) * by_path[idle]["graph_ms"] + by_path[due]["graph_ms"]) / p
+            by_path[idle]["mean_step_flush_ms"] = round(mean, 4)
     if len(written) > 1:
         first = next(iter(written.values()))
         same = all(torch.equal(a, b) for other in written.values() for a, b in zip(first, other))
@@ -224,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps of the step-time run")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=["fused-every", "fused"])
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=["percell-every", "percell", "table-every", "table"])
     parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
     parser.add_argument("--no-step", action="store_true", help="skip the decode-step runs (flush times only)")
     parser.add_argument("--device", default="cuda")

@@ -1,5 +1,6 @@
 """A static coded cell codes each history page once, in the forward where it becomes due (`flush_page`'s `coded`
-slots), and decodes exactly as when every forward re-codes its `K` pages (the rule before the slots): the same logits
+slots), a complete forward flushes every coded cell in one launch (`FlushGroup`, `flush_page_table`), and the cache
+decodes exactly as when every forward re-codes every cell's `K` pages cell by cell (the flush before): the same logits
 and every byte a reader reads, across page flushes, a left-padded batch, a crop into coded pages (whose pages must be
 coded again) and a new prefill after `reset`. Two seeded faults show that the comparison catches a page that became
 due and was skipped: slots that claim the next page before it is coded, and a crop that forgets no slot.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_loopcache.cache.layers import StaticCodedLayer
+from hf_loopcache.cache.layers import StaticCodedLayer, static_coded
+from hf_loopcache.cache.layers.static_coded import FlushGroup
 from tests.cache.test_static_loopkv import _cache, _model, _prompt
 from tests.helpers import call_kwargs
 from triton_ops.quant import naive
@@ -50,22 +52,31 @@ def _run(monkeypatch, name, *, slots=True, fault=None, scenario="deep-crop"):
     cache = _cache(model, name, static=True, max_batch_size=2, max_cache_len=40)
     if rollback:
         cache.set_max_rollback(rollback)
-    coded: list[int] = []
-    flush = StaticCodedLayer.flush
+    coded: list[int] = []  # per decode forward: slots that changed (row, head, plane codings), over every cell
+    cells = [c for c in cache.cells if isinstance(c, StaticCodedLayer)]
 
-    def counted(self, read, positions):
-        before = None if self.coded_t is None else self.coded_t.clone()
-        flush(self, read, positions)
-        if before is not None and slots:
-            coded.append(int((self.coded_t != before).sum()))
-        if fault == "claim-next" and self.coded_t is not None:  # the slot of the page after each coded one claims it
-            nxt = self.coded_t.amax() + 1
-            self.coded_t[..., int(nxt) % self.coded_t.shape[-1]] = nxt.to(torch.int32)
+    def forward(**inputs):
+        before = [None if c.coded_t is None else c.coded_t.clone() for c in cells]
+        out = model(**inputs, cache=cache, **kwargs).logits
+        if slots:
+            coded.append(sum(int((c.coded_t != b).sum()) for c, b in zip(cells, before) if b is not None))
+        if fault == "claim-next":  # the slot of the page after the last coded one claims it before it is coded
+            for c in cells:
+                if c.coded_t is not None:
+                    nxt = c.coded_t.amax() + 1
+                    c.coded_t[..., int(nxt) % c.coded_t.shape[-1]] = nxt.to(torch.int32)
+        return out
 
     with monkeypatch.context() as m:
-        m.setattr(StaticCodedLayer, "flush", counted)
-        if not slots:
+        if not slots:  # the flush before the slots and the table: every due page, one launch per cell
             m.setattr(StaticCodedLayer, "_coded_slots", lambda self: None)
+            m.setattr(FlushGroup, "flush", lambda self, cell, read, positions: False)
+        calls = {"table": 0, "cell": 0}
+        table_fn, cell_fn = static_coded.flush_page_table, static_coded.flush_page
+        m.setattr(static_coded, "flush_page_table", lambda *a, **k: calls.__setitem__("table", calls["table"] + 1)
+                  or table_fn(*a, **k))  # fmt: skip
+        m.setattr(static_coded, "flush_page", lambda *a, **k: calls.__setitem__("cell", calls["cell"] + 1)
+                  or cell_fn(*a, **k))  # fmt: skip
         if fault == "keep-on-crop":
             m.setattr(StaticCodedLayer, "_coded_reach", lambda self, high: 0)  # a crop never forgets
         logits, states = [], []
@@ -76,10 +87,15 @@ def _run(monkeypatch, name, *, slots=True, fault=None, scenario="deep-crop"):
                 for i in range(tokens):
                     mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
                     token = torch.full((2, 1), 5 + (start + 3 * i) % 50)
-                    logits.append(model(input_ids=token, attention_mask=mask, cache=cache, **kwargs).logits)
+                    logits.append(forward(input_ids=token, attention_mask=mask))
 
-            model(input_ids=ids, attention_mask=mask, cache=cache, **kwargs)
+            forward(input_ids=ids, attention_mask=mask)
+            coded.clear()  # the prefill forgets every slot
             decode(first, 0)
+            if slots:  # a decode step (complete) flushes every coded cell in one launch
+                assert calls == {"table": first, "cell": 0}
+            else:
+                assert calls == {"table": 0, "cell": first * len(cells)}
             states.append(_readable(cache))
             cache.crop(-crop)
             deep = [c.floor > c.sink for c in cache.cells if isinstance(c, StaticCodedLayer)]
@@ -90,6 +106,7 @@ def _run(monkeypatch, name, *, slots=True, fault=None, scenario="deep-crop"):
             cache.reset()
             ids2, mask = _prompt(2, True, length=11, seed=1)
             model(input_ids=ids2, attention_mask=mask, cache=cache, **kwargs)
+            coded.append(0)
             decode(5, 11)
             states.append(_readable(cache))
     return logits, states, coded

@@ -260,6 +260,7 @@ def _flush_page_fwd_kernel(
     slots_ptr,
     valid_ptr,
     coded_ptr,
+    table_ptr,
     due_ptr,
     start_ptr,
     floor_ptr,
@@ -304,6 +305,7 @@ def _flush_page_fwd_kernel(
     BLOCK_K: tl.constexpr,
     USE_VALID: tl.constexpr,
     USE_CODED: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     # one program per (b * h, keys | values, page k of the K): when the device-side geometry says the page is due
     # and the ring still holds it, gather its PAGE positions from the ring slots, quantize them and write its page;
@@ -311,6 +313,21 @@ def _flush_page_fwd_kernel(
     # becomes due once, so most steps code nothing). The same arguments every step, no host read
     i_bh, i_kv, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    if TABLE:  # one launch for many cells of one shape: axis 1 is (cell, plane); the cell's storage from the table
+        i_cell = (i_kv // 2).to(tl.int64)
+        i_kv = i_kv % 2
+        p_row = table_ptr + i_cell * 11  # ring k / v, codes, key scale / zero, hi, lo, value scale / zero, floor, coded
+        k_ptr = tl.load(p_row).to(k_ptr.dtype, bitcast=True)
+        v_ptr = tl.load(p_row + 1).to(v_ptr.dtype, bitcast=True)
+        codes_ptr = tl.load(p_row + 2).to(codes_ptr.dtype, bitcast=True)
+        kscale_ptr = tl.load(p_row + 3).to(kscale_ptr.dtype, bitcast=True)
+        kzero_ptr = tl.load(p_row + 4).to(kzero_ptr.dtype, bitcast=True)
+        hi_ptr = tl.load(p_row + 5).to(hi_ptr.dtype, bitcast=True)
+        lo_ptr = tl.load(p_row + 6).to(lo_ptr.dtype, bitcast=True)
+        vscale_ptr = tl.load(p_row + 7).to(vscale_ptr.dtype, bitcast=True)
+        vzero_ptr = tl.load(p_row + 8).to(vzero_ptr.dtype, bitcast=True)
+        floor_ptr = tl.load(p_row + 9).to(floor_ptr.dtype, bitcast=True)
+        coded_ptr = tl.load(p_row + 10).to(coded_ptr.dtype, bitcast=True)
     i_p = tl.load(page_ptr + i_k).to(tl.int64)  # >= 0 (the geometry clamps it), whether due or not
     b_go = (tl.load(due_ptr + i_k) != 0) & (tl.load(start_ptr + i_k) >= tl.load(floor_ptr))
     if USE_CODED:  # this program's slot (row, head, plane) of the page: [B', H, 2, K] int32, page n in slot n % K

@@ -25,7 +25,7 @@ from triton_ops.quant.naive import (
     _check_valid,
 )
 
-__all__ = ["flush_page", "quantize_keys", "quantize_values"]
+__all__ = ["FlushTable", "flush_page", "flush_page_table", "quantize_keys", "quantize_values"]
 
 
 def _quantize_keys_fwd(x: Tensor, nbits: int, group_size: int, valid: Tensor | None) -> QuantizedKeys:
@@ -218,6 +218,7 @@ def _flush_page_fwd(
     scratch_page: int,
     valid: Tensor | None,
     coded: Tensor | None = None,
+    table: Tensor | None = None,
 ) -> None:
     """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2, K)` (keys / values of each of the K pages),
     writing rows `[0, B)` of the page storage in place; the programs of a page that is not due (or no longer held)
@@ -243,12 +244,14 @@ def _flush_page_fwd(
     if not b * h:
         return
     page, due, start = page.reshape(-1), due.reshape(-1), start.reshape(-1)  # views: [K], contiguous
-    _flush_page_fwd_kernel[(b * h, 2, pages)](
+    cells = 1 if table is None else table.shape[0]  # with a table: these arguments are the first cell's (types, strides)
+    _flush_page_fwd_kernel[(b * h, 2 * cells, pages)](
         k_ptr=ring_key,
         v_ptr=ring_value,
         slots_ptr=slots,
         valid_ptr=valid if valid is not None else slots,  # any pointer; unused without USE_VALID
         coded_ptr=coded if coded is not None else slots,  # any pointer; unused without USE_CODED
+        table_ptr=table if table is not None else slots,  # any pointer; unused without TABLE
         due_ptr=due,
         start_ptr=start,
         floor_ptr=floor,
@@ -293,6 +296,7 @@ def _flush_page_fwd(
         BLOCK_K=next_pow2(gs // 4),
         USE_VALID=valid is not None,
         USE_CODED=coded is not None,
+        TABLE=table is not None,
     )
 
 
@@ -366,3 +370,74 @@ def flush_page(
         return
     with launch_device(ring_key):  # the tensor's GPU, not the current one (multi-GPU `device_map`)
         _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
+
+
+class FlushTable:
+    """The storage of several cells of one shape that `flush_page_table` codes in one launch: per cell its ring
+    (`ring_key`, `ring_value`), page storage (`keys`, `values`), `floor` and `coded` slots, as `flush_page` takes
+    them. A device table of their addresses (`[cells, 11]` int64) is built once here: the tensors must not
+    move afterwards (a static cache's storage never does; build a new table when it is reallocated), and every cell's
+    tensors must have the first cell's shapes, strides and dtypes (checked). (On the CPU the table serves the Triton
+    interpreter.)
+
+    Args:
+        cells (`list` of `tuple`): per cell `(ring_key, ring_value, keys, values, floor, coded)`; `coded` may be None
+            for every cell, or for none.
+        scratch_page (`int`): as `flush_page` (the same for every cell).
+    """
+
+    FIELDS = 11
+
+    def __init__(self, cells: list[tuple], scratch_page: int) -> None:
+        if not cells:
+            raise ValueError("`cells` must hold at least one cell's storage")
+        self.cells, self.scratch_page = list(cells), scratch_page
+        first = self._tensors(self.cells[0])
+        if len({c[5] is None for c in self.cells}) > 1:
+            raise ValueError("`coded` must be given for every cell or for none")
+        for i, cell in enumerate(self.cells[1:], 1):
+            for a, b_ in zip(first, self._tensors(cell)):
+                if (a is None) != (b_ is None) or (a is not None and (a.shape, a.stride(), a.dtype, a.device) !=
+                                                   (b_.shape, b_.stride(), b_.dtype, b_.device)):  # fmt: skip
+                    raise ValueError(
+                        f"cell {i} of `cells` must have the first cell's shapes, strides, dtypes and device for one "
+                        "launch"
+                    )
+        rows = []
+        for cell in self.cells:
+            ts = self._tensors(cell)
+            lo = ts[6] if ts[6] is not None else ts[5]
+            coded = ts[10] if ts[10] is not None else ts[9]
+            rows.append([t.data_ptr() for t in (*ts[:6], lo, *ts[7:10], coded)])  # type: ignore[union-attr]
+        self.table = torch.tensor(rows, dtype=torch.int64, device=self.cells[0][0].device)
+
+    @staticmethod
+    def _tensors(cell: tuple) -> list[Tensor | None]:
+        ring_key, ring_value, keys, values, floor, coded = cell
+        return [ring_key, ring_value, keys.codes, keys.scale, keys.zero, values.hi, values.lo, values.scale,
+                values.zero, floor, coded]  # fmt: skip
+
+
+def flush_page_table(
+    table: FlushTable,
+    *,
+    slots: Tensor,
+    page: Tensor,
+    due: Tensor,
+    start: Tensor,
+    valid: Tensor | None = None,
+) -> None:
+    """`flush_page` of every cell of `table` with the same geometry (`slots`, `page`, `due`, `start`, `valid`): the
+    same bytes and slots as one `flush_page` per cell, in **one launch** on CUDA (grid `(B * H, 2 * cells, K)`, each
+    program reading its cell's addresses from the table; graph-safe as `flush_page` is). Elsewhere the reference, cell
+    by cell."""
+    ring_key, ring_value, keys, values, floor, coded = table.cells[0]  # the others have its shapes (FlushTable)
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, table.scratch_page, valid, coded)
+    if not use_triton("flush_page", ring_key):
+        for ring_key, ring_value, keys, values, floor, coded in table.cells:
+            naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, table.scratch_page,
+                              valid, coded)  # fmt: skip
+        return
+    with launch_device(ring_key):
+        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, table.scratch_page, valid,
+                        coded, table.table)  # fmt: skip

@@ -45,12 +45,20 @@ from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, e
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
 from triton_ops.coded_attention import CellView, coded_attention
-from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values, flush_page
+from triton_ops.quant import (
+    FlushTable,
+    QuantizedKeys,
+    QuantizedValues,
+    dequantize_keys,
+    dequantize_values,
+    flush_page,
+    flush_page_table,
+)
 
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
 
-__all__ = ["StaticCodedLayer", "StaticCodedSharedLayer", "coded_ring_capacity"]
+__all__ = ["FlushGroup", "StaticCodedLayer", "StaticCodedSharedLayer", "coded_ring_capacity"]
 
 _CODE_CHUNK_PAGES = 32
 """Pages coded per call on the host path (a prefill): bounds the fp32 transient."""
@@ -442,6 +450,7 @@ class StaticCodedLayer(_StaticWindowed):
         # `flush_page`'s `coded` slots ([rows, heads, 2, K] int32, page n in slot n % K, -1: none): the pages the
         # device flush has coded, so that a page is coded in the forward where it becomes due and skipped after
         self.coded_t: torch.Tensor | None = None
+        self.flush_group: FlushGroup | None = None  # the cache's coded cells, flushed in one launch (`FlushGroup`)
 
     @property
     def option(self) -> str:
@@ -634,7 +643,9 @@ class StaticCodedLayer(_StaticWindowed):
         forward, `flush_pages`), and coding a page again would give the same codes: the `coded` slots skip it."""
         key = ("static-coded-flush", id(self))
         if key not in read.memo:
-            self.flush(read, positions)
+            group = self.flush_group
+            if group is None or not group.flush(self, read, positions):
+                self.flush(read, positions)
             read.memo[key] = True
 
     # ---------------------------------------------------------------- read and write
@@ -720,6 +731,54 @@ class StaticCodedLayer(_StaticWindowed):
         """History positions `[start, end)` decoded from the codes (coded first where the ring still holds them)."""
         self._code_for(page_floor(end - 1, start=self.sink, page_size=self.page) + self.page)
         return self._history_decoded(start, end)
+
+
+class FlushGroup:
+    """The coded cells of one static cache (`LoopCache` attaches it to each as `flush_group`): in a complete forward
+    (every cell written in it, so every cell's flush has the same device geometry) the first coded cell that prepares
+    flushes every cell of its code format (`nbits`, value group) in **one launch** (`flush_page_table`, over a device
+    table of the cells' storage addresses, built once and rebuilt only when a cell's storage moves) and marks them
+    flushed for the forward; the same bytes and slots as one `flush` per cell. Drafts, and a forward in which the cells
+    do not all hold the same positions, flush cell by cell.
+
+    Args:
+        cells (`list` of `StaticCodedLayer`): the cache's coded cells.
+    """
+
+    def __init__(self, cells: list[StaticCodedLayer]) -> None:
+        self.cells = list(cells)
+        self._tables: dict[tuple, tuple[tuple, FlushTable]] = {}
+
+    def _peers(self, cell: StaticCodedLayer) -> list[StaticCodedLayer]:
+        return [c for c in self.cells if c.nbits == cell.nbits and c.group == cell.group]
+
+    def flush(self, cell: StaticCodedLayer, read: ReadState, positions: torch.Tensor) -> bool:
+        """Flush every cell of `cell`'s format in one launch when the forward allows it; returns whether it did."""
+        if not read.complete:
+            return False
+        peers = self._peers(cell)
+        if len(peers) < 2 or any(c.qk is None or c.length != cell.length or c.rows != cell.rows for c in peers):
+            return False
+        rows = cell.rows
+        signature = tuple((c.k.data_ptr(), c.v.data_ptr(), c.qk.codes.data_ptr(),  # type: ignore[union-attr]
+                           None if c.coded_t is None else c.coded_t.data_ptr(), c._coded_slots() is None)
+                          for c in peers)  # fmt: skip
+        key = (cell.nbits, cell.group, rows)
+        entry = self._tables.get(key)
+        if entry is None or entry[0] != signature:
+            stores = []
+            for c in peers:
+                ring_k, ring_v = c._views()
+                keys, values = c._codes(c.num_pages + 1)
+                stores.append((ring_k, ring_v, keys, values, c.floor_t, c._coded_slots()))
+            entry = self._tables[key] = (signature, FlushTable(stores, scratch_page=cell.num_pages))
+        geo = cell._geometry(read, positions)
+        mask = geo["valid"]
+        flush_page_table(entry[1], slots=geo["slots"], page=geo["page"], due=geo["due"], start=geo["start"],
+                         valid=None if mask is None else mask[:rows])  # fmt: skip
+        for c in peers:
+            read.memo[("static-coded-flush", id(c))] = True
+        return True
 
 
 class StaticCodedSharedLayer(_StaticWindowed):
