@@ -750,7 +750,11 @@ class FlushGroup:
         self._tables: dict[tuple, tuple[tuple, FlushTable]] = {}
 
     def _peers(self, cell: StaticCodedLayer) -> list[StaticCodedLayer]:
-        return [c for c in self.cells if c.nbits == cell.nbits and c.group == cell.group]
+        """The cells flushed with `cell`: its code format, on its device (a model split by `device_map` flushes one
+        table per device)."""
+        device = None if cell.k is None else cell.k.device
+        return [c for c in self.cells if c.nbits == cell.nbits and c.group == cell.group and c.k is not None
+                and c.k.device == device]  # fmt: skip
 
     def flush(self, cell: StaticCodedLayer, read: ReadState, positions: torch.Tensor) -> bool:
         """Flush every cell of `cell`'s format in one launch when the forward allows it; returns whether it did."""
@@ -763,7 +767,7 @@ class FlushGroup:
         signature = tuple((c.k.data_ptr(), c.v.data_ptr(), c.qk.codes.data_ptr(),  # type: ignore[union-attr]
                            None if c.coded_t is None else c.coded_t.data_ptr(), c._coded_slots() is None)
                           for c in peers)  # fmt: skip
-        key = (cell.nbits, cell.group, rows)
+        key = (cell.nbits, cell.group, rows, cell.k.device)  # type: ignore[union-attr]
         entry = self._tables.get(key)
         if entry is None or entry[0] != signature:
             stores = []
