@@ -278,13 +278,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _summary(rows: list[dict[str, Any]]) -> None:
-    print("cache        batch  path         graph ms (p20-p80)        warm ms   eager ms  kernels  step ms  "
+    print("cache        batch  path           graph ms (p20-p80)        warm ms   eager ms  kernels  step ms  "
           "flush/step  mean/step  bytes equal")
     for r in rows:
         frac = f"{100 * r['flush_fraction']:6.2f}%" if r.get("flush_fraction") is not None else "     -"
         mean = f"{100 * r['mean_flush_fraction']:6.2f}%" if r.get("mean_flush_fraction") is not None else "     -"
         step = f"{r['step_ms']:8.3f}" if r.get("step_ms") else "       -"
-        print(f"{r['cache']:12s} {r['batch']:5d}  {r['path']:11s} {r['graph_ms']:8.4f} ({r['graph_ms_p20']:.4f}-"
+        print(f"{r['cache']:12s} {r['batch']:5d}  {r['path']:13s} {r['graph_ms']:8.4f} ({r['graph_ms_p20']:.4f}-"
               f"{r['graph_ms_p80']:.4f})  {r['graph_warm_ms']:8.4f}  {r['eager_ms']:8.4f}  "
               f"{r['kernels_per_step_flush']!s:>7}  {step}  {frac}     {mean}  {r.get('bytes_equal', '-')}")  # fmt: skip
 
