@@ -24,7 +24,8 @@ plane the page last coded in each of `K` slots (`coded_t`, page `n` in slot `n %
 a page its slot already holds is skipped (its codes were made from the same positions and final validity), so the
 `P - 1` forwards in `P` in which no page becomes due code nothing. The slots are forgotten from the page holding
 the new length on by a crop that may reach a coded page (`_coded_reach`; none within a reserve well inside the
-window), entirely by `reset`, a new prefill, `select_batch` and `resize`. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
+window), entirely by `reset`, a new prefill, `select_batch` and `resize`. In a complete forward the first coded cell
+to prepare flushes every coded cell of its code format in one launch (`FlushGroup`); drafts flush cell by cell. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
 row) is left out of its page's key scales, as the growable `CodedLayer` codes it; with `W >= gamma` no page is coded
 before its positions' holes are known. A shared cell asks its source for those pages before it reads (once per
 forward: the source's own attend comes later in a complete forward, and never in a draft).
