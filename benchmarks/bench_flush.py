@@ -16,7 +16,9 @@ static cache of `--context` positions; sink 32, window 256, pages of 32; the pro
   replay: the ring pages a flush codes were last touched a step ago, after gigabytes of weights, so cold, as in a
   step; median, p20, p80). `graph_warm_ms`: the same graph replayed back to back (CUDA events around 50 replays: L2
   warm, a lower bound). `eager_ms`: the same flushes called eagerly (CUDA events around 20 calls: Python and launch
-  cost included; NOT what a captured step pays). `kernels_per_step_flush`: CUDA kernels of one eager call.
+  cost included; NOT what a captured step pays). `kernels_per_step_flush` / `kernel_us_per_step_flush`: the CUDA
+  kernels of one eager call (after one more, so that the slots are in the state the timings see) and the sum of
+  their own GPU time (`torch.profiler`): the flush's work without launch gaps.
 - `step_ms`: the captured decode step of the same cache, batch and context through `generate`
   (`bench_generate.run_one(mode="graph")`: (full - prefill-only) / steps; one run per cache and batch, with the
   library's flush). `flush_fraction = graph_ms / step_ms`.
@@ -176,12 +178,20 @@ def _time(fn, device: str) -> dict[str, float]:
     return dict(graph_ms=med, graph_ms_p20=p20, graph_ms_p80=p80, graph_warm_ms=warm, eager_ms=eager)
 
 
-def _count_kernels(fn) -> int | None:
+def _kernels(fn) -> tuple[int | None, float | None]:
+    """CUDA kernels of one eager call of `fn` and the sum of their GPU time in us (`torch.profiler`: each kernel's
+    own duration, the flush's real work whatever the launch gaps); (None, None) off CUDA."""
     if not torch.cuda.is_available():
-        return None
-    from benchmarks.bench_generate import _count_kernels as count
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
 
-    return count(fn)
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(events), round(sum(e.time_range.elapsed_us() for e in events), 1)
 
 
 def flush_rows(model, shape: str, cache_name: str, batch: int, context: int, new_tokens: int, device: str,
@@ -207,7 +217,7 @@ def flush_rows(model, shape: str, cache_name: str, batch: int, context: int, new
             fn = lambda: _step_flushes(cells, positions, valid, prompt)  # noqa: E731
             with torch.no_grad():
                 times = _time(fn, device)
-                kernels = _count_kernels(fn)
+                kernels, kernel_us = _kernels(fn)
         written[path] = [t.clone() for cell, page in zip(cells, pages) for t in _page_views(cell, page)]
         impl = "op-by-op" if path == "unfused" else "triton" if device.startswith("cuda") else "reference"
         rows.append({
@@ -216,7 +226,7 @@ def flush_rows(model, shape: str, cache_name: str, batch: int, context: int, new
             "page_size": cells[0].page if cells else None, "flush_impl": impl,
             **{k: round(v, 4) for k, v in times.items()},
             "graph_us_per_cell": round(1000 * times["graph_ms"] / max(1, len(cells)), 2),
-            "kernels_per_step_flush": kernels, "pages_due": sum(p < c.num_pages for p, c in zip(pages, cells)),
+            "kernels_per_step_flush": kernels, "kernel_us_per_step_flush": kernel_us, "pages_due": sum(p < c.num_pages for p, c in zip(pages, cells)),
         })  # fmt: skip
     by_path = {r["path"]: r for r in rows}
     for idle, due in (("percell", "percell-every"), ("table", "table-every")):
@@ -278,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _summary(rows: list[dict[str, Any]]) -> None:
-    print("cache        batch  path           graph ms (p20-p80)        warm ms   eager ms  kernels  step ms  "
+    print("cache        batch  path           graph ms (p20-p80)        warm ms   eager ms  kernels  kern us  step ms  "
           "flush/step  mean/step  bytes equal")
     for r in rows:
         frac = f"{100 * r['flush_fraction']:6.2f}%" if r.get("flush_fraction") is not None else "     -"
@@ -286,7 +296,7 @@ def _summary(rows: list[dict[str, Any]]) -> None:
         step = f"{r['step_ms']:8.3f}" if r.get("step_ms") else "       -"
         print(f"{r['cache']:12s} {r['batch']:5d}  {r['path']:13s} {r['graph_ms']:8.4f} ({r['graph_ms_p20']:.4f}-"
               f"{r['graph_ms_p80']:.4f})  {r['graph_warm_ms']:8.4f}  {r['eager_ms']:8.4f}  "
-              f"{r['kernels_per_step_flush']!s:>7}  {step}  {frac}     {mean}  {r.get('bytes_equal', '-')}")  # fmt: skip
+              f"{r['kernels_per_step_flush']!s:>7}  {r['kernel_us_per_step_flush']!s:>7}  {step}  {frac}     {mean}  {r.get('bytes_equal', '-')}")  # fmt: skip
 
 
 if __name__ == "__main__":
