@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
-from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
+from hf_loopcache.cache.layers.static_coded import FlushGroup, StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
@@ -146,6 +146,11 @@ class LoopCache(Cache):
                 layers[self.layout.flat_index(cell)] = self._make_layer(cell, source)
         super().__init__(layers=list(layers))
         self.cells: list[LoopLayerBase] = layers  # the same objects as `self.layers`, typed
+        coded = [layer for layer in layers if isinstance(layer, StaticCodedLayer)]
+        if coded:  # a complete forward flushes them in one launch per code format
+            group = FlushGroup(coded)
+            for layer in coded:
+                layer.flush_group = group
 
     def _make_layer(self, cell: Cell, source: LoopLayerBase | None) -> LoopLayerBase:
         option = self.plan.option(cell)
