@@ -27,8 +27,16 @@ Peaks are `torch.cuda.max_memory_allocated` (reset per probe); on CPU (micro sha
 live tensor bytes of `benchmarks.memtrack.LiveBytes`, a peak above the budget counting as out of memory. Each row also reports a straight-line fit of peak against batch over the probes
 that fit (`fit_fixed_gib`, `fit_per_row_gib`): the per-row slope minus the stored bytes per row is the transient
 that grows with the batch. The result file (`benchmarks/results/<out>.json`) is rewritten after every probe (the row
-in progress marked so); `--deadline-s` starts no probe that would end past it (its time estimated from the slowest
-seconds per row so far), so a run stops cleanly with what finished. Huginn runs with `init_scale=0.0`.
+in progress marked so); `--deadline-s` starts no probe that would end past it (its time estimated as the slowest
+prefill seconds per row so far times the batch, plus the slowest decode seconds, plus a quarter), so a run stops
+cleanly with what finished; with `--share-time` each row's search gets an equal share of the time left (the rows
+after it are not starved by one slow search). Huginn runs with `init_scale=0.0`.
+
+`--throughput graph` (for `--throughput-caches`, default all): after the search, decode tok/s at the largest batch
+with the cache built static and the step captured (`graph_throughput`: warm-up and capture from a 320-token prompt,
+then a timed generate of `--throughput-tokens` tokens per step; a batch that does not fit static is retried an eighth
+lower, at most 3 batches): `graph_at_largest` in the row, beside the eager probes' `decode_tokens_per_s_at_largest`
+(growable cache, eager step: bound by the host, not by the batch).
 
 Run on one H200 (a probe costs about its prefill, `batch x context` tokens; a stated budget below the GPU's memory
 makes the batches, and so the probes, smaller while measured / predicted stays the quantity of interest). Estimated,
@@ -54,10 +62,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from benchmarks.bench_generate import CACHES
-from benchmarks.common import build, write_rows
+from benchmarks.common import StepClock, build, write_rows
 from benchmarks.memtrack import LiveBytes
 
 if TYPE_CHECKING:
@@ -82,18 +90,6 @@ def prefill_row_bytes(model: Any, context: int) -> int:
     kv = layout.num_kv_heads * layout.head_dim
     rope = 2 * layout.head_dim * elem if layout.name == "ouro" else layout.head_dim * 4
     return ((PREFILL_ROW_STATES[layout.name] * model.config.hidden_size + 2 * kv) * elem + rope) * context
-
-
-class _StepClock(LogitsProcessor):
-    """Wall time at each generated token (after a device synchronisation): step 0 ends the prefill."""
-
-    def __init__(self, device: str) -> None:
-        self.device, self.times = device, []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        _sync(self.device)
-        self.times.append(time.perf_counter())
-        return scores
 
 
 def _sync(device: str) -> None:
@@ -130,7 +126,7 @@ def probe(
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    clock = _StepClock(device)
+    clock = StepClock(device)
 
     def generate() -> int:  # its own frame: an out-of-memory traceback holds nothing once it is dropped
         torch.manual_seed(batch)
@@ -175,8 +171,71 @@ def probe(
     if not failed and len(clock.times) >= 2:
         decode = clock.times[-1] - clock.times[0]
         record["decode_tokens_per_s"] = round(batch * (len(clock.times) - 1) / decode, 1) if decode > 0 else None
+        record["decode_s"] = round(decode, 3)
     free_memory(device)
     return record
+
+
+def graph_throughput(
+    model: Any,
+    shape: str,
+    cache_name: str,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    device: str,
+    *,
+    warmup_prompt: int = 320,
+    max_tries: int = 3,
+) -> dict:
+    """Decode tok/s at `batch` rows with the cache built static and decoded through `generate`'s captured step
+    (`graph` mode of `bench_generate`): a warm-up generate of 2 tokens from a `warmup_prompt`-token prompt (captures
+    the step, whose shape is the cache's, not the prompt's; 320 tokens code a LoopKV page, so its kernels compile), `reset()`, then `context - new_tokens` prompt tokens and
+    `new_tokens` greedy tokens timed per step (`StepClock`). A batch that runs out of memory (static storage and the
+    captured graph's pool come on top of what the search's growable probes held) is retried an eighth lower, at most
+    `max_tries` batches. Off CUDA nothing is captured (the static cache decodes eagerly): the code path's check."""
+    extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
+    tried = []
+    for _ in range(max_tries):
+        record: dict[str, Any] = {"batch": batch}
+        start = time.perf_counter()
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+
+        def run(batch: int = batch) -> tuple[int, float, float, list]:
+            torch.manual_seed(batch)
+            ids = torch.randint(1, model.config.vocab_size, (batch, context - new_tokens), device=device)
+            cache = CACHES[cache_name](model, static=True, max_batch_size=batch, max_cache_len=context)
+            short = ids[:, : min(warmup_prompt, ids.shape[1])]
+            model.generate(short, attention_mask=torch.ones_like(short), cache=cache, max_new_tokens=2,
+                           min_new_tokens=2, do_sample=False, pad_token_id=0, **extra)
+            cache.reset()
+            clock = StepClock(device)
+            model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([clock]), **extra)
+            _sync(device)
+            steps, wall, cpu = clock.decode()
+            return steps, wall, cpu, [step["capture_s"] for step in cache.captured_steps()]
+
+        try:
+            steps, wall, cpu, captures = run()
+            record.update(status="ok", decode_tokens_per_s=round(batch * steps / wall, 1),
+                          ms_per_decode_step=round(1000 * wall / steps, 3),
+                          cpu_ms_per_decode_step=round(1000 * cpu / steps, 3), captured=bool(captures),
+                          capture_s=captures)
+        except torch.OutOfMemoryError as err:
+            record.update(status="oom", error=str(err).splitlines()[0][:160])
+        if device.startswith("cuda"):
+            record["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 3)
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        free_memory(device)
+        tried.append(record)
+        if record["status"] == "ok" or batch == 1:
+            break
+        batch = max(1, batch - max(1, batch // 8))
+    return {**tried[-1], "tried": [t["batch"] for t in tried]}
 
 
 def search(
@@ -270,11 +329,17 @@ def run_cache(
     resolution: float = 0.03,
     max_probes: int = 12,
     out_of_time: Callable[[float], bool] = lambda seconds: False,
+    search_out_of_time: Callable[[float], bool] | None = None,
     progress: Callable[[dict], None] = lambda row: None,
+    throughput: str = "eager",
+    throughput_tokens: int = 16,
 ) -> dict:
     """One row: the batch-1 probe, the prediction, the search, the largest batch and its decode tok/s.
     `out_of_time(seconds)` says whether work expected to take `seconds` would end past the deadline (a probe's time
-    is estimated from the slowest seconds per row seen so far); `progress(row)` gets the row after every probe."""
+    is estimated from the slowest seconds per row seen so far); `search_out_of_time` the same for the search's probes
+    (the row's share of the time: default `out_of_time`); `progress(row)` gets the row after every probe.
+    `throughput="graph"`: after the search, decode tok/s at the largest batch with the cache static and the step
+    captured (`graph_throughput`, `throughput_tokens` tokens), beside the eager probes' tok/s."""
     row: dict[str, Any] = {
         "shape": shape,
         "cache": cache_name,
@@ -322,11 +387,17 @@ def run_cache(
         0, math.floor((budget_bytes - weights_bytes - max(0.0, workspace - per_row)) / (stored_row + per_row))
     )
     row["probes"] = [one]
-    rate = [one["seconds"]]  # seconds per row, the slowest seen
+    # a probe's time: its decode steps (about constant in the batch: they wait on the host) plus a prefill that grows
+    # with the batch; the slowest seen of each, with a margin
+    rate = [one["seconds"] - one.get("decode_s", 0.0), one.get("decode_s", 0.0)]
+
+    def estimate(b: int) -> float:
+        return 1.25 * (rate[0] * b + rate[1])
 
     def try_batch(b: int) -> dict:
         record = probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit)
-        rate[0] = max(rate[0], record["seconds"] / b)
+        decode = record.get("decode_s", 0.0)
+        rate[0], rate[1] = max(rate[0], (record["seconds"] - decode) / b), max(rate[1], decode)
         row["probes"].append(record)
         progress(row)
         return record
@@ -334,7 +405,7 @@ def run_cache(
     cut = []
 
     def late(b: int) -> bool:
-        if out_of_time(b * rate[0]):
+        if (search_out_of_time or out_of_time)(estimate(b)):
             cut.append(b)
             return True
         return False
@@ -358,10 +429,19 @@ def run_cache(
         probes=probes,
     )
     row["fit_fixed_gib"], row["fit_per_row_gib"] = _fit(probes)
+    if throughput == "graph":
+        # a prefill of the largest batch, twice over for a retry: skipped when it would end past the deadline
+        if out_of_time(estimate(largest)):
+            row["graph_at_largest"] = {"status": "deadline", "batch": largest}
+        else:
+            row["graph_at_largest"] = graph_throughput(model, shape, cache_name, largest, context, throughput_tokens,
+                                                       device)
+        progress(row)
     return row
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main` (the suite's tests parse its command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"], help="model shapes")
     parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES), choices=sorted(CACHES), help="caches")
@@ -374,6 +454,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
     parser.add_argument("--device", default="cuda", help="torch device")
     parser.add_argument("--out", default="capacity", help="result file name under benchmarks/results/")
+    parser.add_argument("--throughput", default="eager", choices=("eager", "graph"),
+                        help="also measure decode tok/s at the largest batch with the static cache's captured step")
+    parser.add_argument("--throughput-caches", nargs="*", default=None,
+                        help="caches whose largest batch gets the graph throughput run (default: all of --caches)")
+    parser.add_argument("--throughput-tokens", type=int, default=16, help="tokens of the graph throughput run")
+    parser.add_argument("--share-time", action="store_true",
+                        help="with --deadline-s: each row's search gets an equal share of the time left")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens must be >= 2 (one decode step to time), got {args.new_tokens}")
@@ -402,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         budget = int(args.budget_gib * GIB)
     dtype = getattr(torch, args.dtype)
     rows: list[dict] = []
+    rows_left = [len(args.shapes) * len(args.contexts) * len(args.caches)]
     for shape in args.shapes:
         if out_of_time():
             break
@@ -415,14 +508,26 @@ def main(argv: list[str] | None = None) -> None:
             weights = torch.cuda.memory_allocated()  # weights and buffers as allocated
         for context in args.contexts:
             for cache_name in args.caches:
+                share = None
+                if args.share_time and args.deadline_s is not None:
+                    row_end = time.perf_counter() + max(0.0, args.deadline_s - (time.perf_counter() - t0)) / rows_left[0]
+
+                    def share(seconds: float, row_end: float = row_end) -> bool:
+                        return time.perf_counter() + seconds > row_end or out_of_time(seconds)
+
+                rows_left[0] -= 1
+                graph = args.throughput == "graph" and (
+                    args.throughput_caches is None or cache_name in args.throughput_caches
+                )
                 row = run_cache(
                     model, shape, cache_name, context, budget_bytes=budget, weights_bytes=weights,
                     new_tokens=args.new_tokens, device=device, resolution=args.resolution,
-                    max_probes=args.max_probes, out_of_time=out_of_time,
+                    max_probes=args.max_probes, out_of_time=out_of_time, search_out_of_time=share,
                     progress=lambda partial: write_rows(args.out, [*rows, {**partial, "status": "in progress"}]),
+                    throughput="graph" if graph else "eager", throughput_tokens=args.throughput_tokens,
                 )
                 row["elapsed_s"] = round(time.perf_counter() - t0, 1)
-                brief = {k: v for k, v in row.items() if k not in ("probes", "probe_batch_1")}
+                brief = {k: v for k, v in row.items() if k not in ("probes", "probe_batch_1", "layout")}
                 print(brief, flush=True)
                 rows.append(row)
                 write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished

@@ -230,9 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     _summary(rows, args.cells)
 
 
-def _graph_bench(fn):
+def _graph_bench(fn, warmup=10, rep=40):
     """Median / p20 / p80 ms of replaying `fn` captured in a CUDA graph (GPU time with each kernel's launch on the
-    device, without Python's launch overhead; L2 flushed before every replay by do_bench)."""
+    device, without Python's launch overhead; L2 flushed before every replay by do_bench; `warmup` / `rep` in ms)."""
     import triton
 
     stream = torch.cuda.Stream()
@@ -244,7 +244,7 @@ def _graph_bench(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=40)
+    return triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)
 
 
 def _call_once(fn, quantiles, warmup, rep):

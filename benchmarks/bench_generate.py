@@ -31,14 +31,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as _dt
+import gc
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
 
-from benchmarks.common import build, peak_gib, reset_peak, write_rows
+from benchmarks.common import StepClock, build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
+from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
 from hf_loopcache.cache.layers.static import StaticDenseLayer
 from triton_ops import fused
 
@@ -54,6 +59,11 @@ CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the 
 }
 
 PEERS = ("dynamic", "static", "quantized")
+#: QuantizedCache backends tried in order (the first that builds is used; the row names it)
+QUANTIZED_BACKENDS = ("quanto", "hqq", "fp8")
+#: the static peer's `CompileConfig`: one graph, static shapes (no recompile with dynamic shapes at the second batch
+#: size), transformers' default mode (inductor with CUDA graphs)
+PEER_COMPILE = ("fullgraph=true", "dynamic=false", "mode=reduce-overhead")
 MODES = ("eager", "static", "graph")
 
 
@@ -85,16 +95,39 @@ def peer_model(looped: Any, dtype: torch.dtype, device: str):
     return model.to(dtype).eval()
 
 
-def _peer_kwargs(model: Any, name: str) -> dict[str, Any]:
+def _peer_kwargs(model: Any, name: str, *, context: int, quantized_backends: tuple[str, ...]) -> dict[str, Any]:
+    """The cache keywords of a peer row (one call per configuration: a static cache is reused by its runs)."""
     if name == "dynamic":
         return {}
-    if name == "static":
-        return {"cache_implementation": "static"}
+    if name == "static":  # transformers' own StaticCache: `generate` compiles the decode step since `is_compileable`
+        from transformers import StaticCache
+
+        return {CACHE_KWARG: StaticCache(config=model.config, max_cache_len=context)}
     if name == "quantized":
         from transformers import QuantizedCache
 
-        return {"past_key_values": QuantizedCache(backend="quanto", config=model.config, nbits=4)}
+        errors = []
+        for backend in quantized_backends:
+            try:
+                bits = {} if backend == "fp8" else {"nbits": 4}  # fp8 (newer transformers) is per tensor, no bits
+                return {CACHE_KWARG: QuantizedCache(backend=backend, config=model.config, **bits), "_backend": backend}
+            except (ImportError, ValueError, RuntimeError) as err:
+                errors.append(f"{backend}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        raise ImportError("no QuantizedCache backend: " + "; ".join(errors))
     raise ValueError(f"`--peers` must name some of {PEERS}, got {name!r}")
+
+
+def parse_compile_config(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` items of transformers' `CompileConfig` (`fullgraph`, `dynamic`, `backend`, `mode`): true / false /
+    none as Python values, the rest as strings."""
+    words = {"true": True, "false": False, "none": None}
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("fullgraph", "dynamic", "backend", "mode"):
+            raise SystemExit(f"--peer-compile takes KEY=VALUE with KEY one of fullgraph, dynamic, backend, mode; got {item!r}")
+        options[key] = words.get(value.lower(), value)
+    return options
 
 
 def _sync(device: str) -> None:
@@ -119,6 +152,10 @@ def _count_kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _free_gib(device: str) -> float | None:
+    return round(torch.cuda.mem_get_info()[0] / 2**30, 2) if device.startswith("cuda") else None
+
+
 def run_one(
     model,
     shape: str,
@@ -133,12 +170,20 @@ def run_one(
     mode: str = "eager",
     reference: dict[tuple, torch.Tensor] | None = None,
     fused_ops: bool = True,
+    timing: str = "pair",
+    warmup_prompt: int | None = None,
+    compile_config: dict[str, Any] | None = None,
+    quantized_backends: tuple[str, ...] = QUANTIZED_BACKENDS,
 ) -> dict[str, Any]:
+    """One row. `timing="pair"`: decode = a full run minus a prefill-only run; `"steps"`: one run, decode timed from
+    the first generated token to the last by a synchronising logits processor (`StepClock`). `warmup_prompt`: the
+    warm-up run of a static cache (ours in `static` / `graph` mode, the `static` peer) and of the quantized peer uses
+    the prompt's first `warmup_prompt` tokens (the captured or compiled step depends on the cache's shape, not the
+    prompt's length)."""
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
     torch.manual_seed(batch)
     ids = torch.randint(1, vocab, (batch, prompt_len), device=device)
-    mask = torch.ones_like(ids)
     row: dict[str, Any] = {
         "shape": shape,
         "cache": cache_name,
@@ -151,45 +196,87 @@ def run_one(
         "prompt": prompt_len,
         "new_tokens": new_tokens,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "timing": timing,
+        "free_gib_at_start": _free_gib(device),
     }
     if not peer:
         row["layout"] = model.loop_layout.describe()
         row["kv_bytes_per_token_formula"] = model.loop_layout.full_bytes_per_token()
     extra = {"init_scale": 0.0} if shape.startswith("huginn") and not peer else {}
-    gen = dict(attention_mask=mask, do_sample=False, pad_token_id=0, **extra)
+    gen = dict(do_sample=False, pad_token_id=0, **extra)
     static_cache = None
-    if not peer and mode != "eager":
-        static_cache = CACHES[cache_name](model, static=True, max_batch_size=batch, max_cache_len=context)
-        gen["disable_compile"] = mode == "static"
+    peer_kwargs: dict[str, Any] = {}
+    # a short warm-up suffices where the step's shape is the cache's (static caches) or nothing compiles per prompt
+    # length (the quantized peer: its first run only imports and builds the backend)
+    static = (not peer and mode != "eager") or (peer and cache_name in ("static", "quantized"))
+    short = warmup_prompt if static and warmup_prompt is not None and warmup_prompt < prompt_len else None
 
-    def generate(tokens: int) -> tuple[torch.Tensor, Any]:
+    def generate(tokens: int, prompt: torch.Tensor = ids, clock: StepClock | None = None) -> tuple[torch.Tensor, Any]:
+        kw = dict(gen, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, min_new_tokens=tokens)
+        if clock is not None:
+            kw["logits_processor"] = LogitsProcessorList([clock])
         if peer:
-            kwargs = _peer_kwargs(model, cache_name)
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, return_dict_in_generate=True,
-                                 **kwargs, **gen)
-            return out.sequences, out.past_key_values
+            cache = peer_kwargs.get(CACHE_KWARG)
+            if cache is not None and hasattr(cache, "reset") and cache_name == "static":
+                cache.reset()
+            if cache_name == "quantized":  # a fresh quantized cache per run (it grows)
+                kw.update({k: v for k, v in _peer_kwargs(model, cache_name, context=context,
+                                                         quantized_backends=quantized_backends).items()
+                           if not k.startswith("_")})
+            elif cache is not None:
+                kw[CACHE_KWARG] = cache
+            if compile_config is not None and cache_name == "static":
+                from transformers import CompileConfig
+
+                kw["compile_config"] = CompileConfig(**compile_config)
+            out = model.generate(prompt, return_dict_in_generate=True, **kw)
+            return out.sequences, getattr(out, OUTPUT_CACHE_FIELD, None)
         cache = CACHES[cache_name](model) if static_cache is None else static_cache
         cache.reset()
-        out = model.generate(ids, cache=cache, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
+        out = model.generate(prompt, cache=cache, **kw)
         return out, cache
 
     try:
-        if peer and cache_name == "static":  # compile warm-up at this batch size, reported apart
-            _, t_warm, _ = _timed(lambda: generate(4), device)
-            row["compile_warmup_s"] = round(t_warm, 2)
-        else:  # warm-up at this shape: Triton compiles a kernel per argument
-            # specialisation at its first launch (eager rows included), and a graph is captured in `graph` mode
-            _, t_warm, _ = _timed(lambda: generate(4), device)
-            row["warmup_s"] = round(t_warm, 2)
-            if mode == "graph" and static_cache is not None:
-                row["capture_s"] = [step["capture_s"] for step in static_cache.captured_steps()]
-        reset_peak(device)
-        prefill_only, t_prefill, c_prefill = _timed(lambda: generate(1), device)
-        del prefill_only  # free its cache before the full run
-        reset_peak(device)
-        (out, cache), t_total, c_total = _timed(lambda: generate(new_tokens), device)
-        steps = new_tokens - 1
-        decode = t_total - t_prefill
+        if not peer and mode != "eager" and cache_name == "full" and device.startswith("cuda"):
+            needed = model.loop_layout.full_bytes(context) * batch
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            if needed > total:  # not attempted: filling the GPU to fail would disturb a process beside this one
+                raise torch.OutOfMemoryError(
+                    f"not attempted: the static full cache needs {needed / 2**30:.1f} GiB, more than the GPU's "
+                    f"{total / 2**30:.1f} GiB"
+                )
+        if not peer and mode != "eager":  # inside the try: a static cache that does not fit is an `oom` row
+            static_cache = CACHES[cache_name](model, static=True, max_batch_size=batch, max_cache_len=context)
+            gen["disable_compile"] = mode == "static"
+        if peer:
+            peer_kwargs.update(_peer_kwargs(model, cache_name, context=context, quantized_backends=quantized_backends))
+            if "_backend" in peer_kwargs:
+                row["quantized_backend"] = peer_kwargs.pop("_backend")
+            if cache_name == "static":
+                row["compile_config"] = compile_config if compile_config is not None else "transformers' default"
+        warm_prompt = ids if short is None else ids[:, :short]
+        row["warmup_prompt"] = int(warm_prompt.shape[1])
+        # warm-up at this shape: Triton compiles a kernel per argument specialisation at its first launch (eager
+        # rows included), a graph is captured in `graph` mode, transformers compiles the static peer's decode step
+        _, t_warm, _ = _timed(lambda: generate(min(4, new_tokens), warm_prompt), device)
+        row["compile_warmup_s" if peer and cache_name == "static" else "warmup_s"] = round(t_warm, 2)
+        if mode == "graph" and static_cache is not None:
+            row["capture_s"] = [step["capture_s"] for step in static_cache.captured_steps()]
+        if timing == "pair":
+            reset_peak(device)
+            prefill_only, t_prefill, c_prefill = _timed(lambda: generate(1), device)
+            del prefill_only  # free its cache before the full run
+            reset_peak(device)
+            (out, cache), t_total, c_total = _timed(lambda: generate(new_tokens), device)
+            steps = new_tokens - 1
+            decode, cpu = t_total - t_prefill, c_total - c_prefill
+        else:
+            reset_peak(device)
+            clock = StepClock(device)
+            (out, cache), t_total, _ = _timed(lambda: generate(new_tokens, clock=clock), device)
+            steps, decode, cpu = clock.decode()
+            t_prefill = t_total - decode
+            row["ms_per_decode_step_median"] = round(1000 * clock.median_step_s(), 3)
         row.update(
             status="ok",
             prefill_s=round(t_prefill, 4),
@@ -197,7 +284,7 @@ def run_one(
             decode_s=round(decode, 4),
             decode_tokens_per_s=round(batch * steps / decode, 2),
             ms_per_decode_step=round(1000 * decode / steps, 3),
-            cpu_ms_per_decode_step=round(1000 * (c_total - c_prefill) / steps, 3),
+            cpu_ms_per_decode_step=round(1000 * cpu / steps, 3),
             peak_memory_gib=peak_gib(device),
             generated=int(out.shape[1] - prompt_len),
         )
@@ -219,14 +306,18 @@ def run_one(
         if count_kernels and device.startswith("cuda"):
             k_total = _count_kernels(lambda: generate(new_tokens))
             k_prefill = _count_kernels(lambda: generate(1))
-            row["kernels_per_decode_step"] = round((k_total - k_prefill) / steps, 1)
+            row["kernels_per_decode_step"] = round((k_total - k_prefill) / (new_tokens - 1), 1)
     except torch.OutOfMemoryError as err:
         needed = model.loop_layout.full_bytes(context) * batch if cache_name == "full" and not peer else None
-        row.update(status="oom", error=str(err).splitlines()[0][:200], kv_bytes_needed_formula=needed)
+        row.update(status="oom", error=str(err).splitlines()[0][:200], kv_bytes_needed_formula=needed,
+                   peak_memory_gib=peak_gib(device))
     except (ImportError, ValueError, RuntimeError) as err:
         if not peer:
             raise
-        row.update(status="unavailable", error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        row.update(status="unavailable", error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    static_cache = None
+    peer_kwargs.clear()
+    gc.collect()
     reset_peak(device)
     return row
 
@@ -237,14 +328,89 @@ def _first_mismatch(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None:
     return None if differ.numel() == 0 else int(differ[0])
 
 
-def main(argv: list[str] | None = None) -> None:
+def precompile_static_peer(peer: Any, shape: str, batches: list[int], contexts: list[int], device: str, *,
+                           compile_config: dict[str, Any] | None, warmup_prompt: int, progress=lambda row: None) -> dict:
+    """Compile transformers' static decode step of the plain peer for every (batch, context) before any timed run: a
+    generate of 4 tokens from a `warmup_prompt`-token prompt into a `StaticCache` of the measured length (the compiled
+    step depends on the cache's shape only; a short prompt keeps the GPU nearly idle while other rows run). The cache
+    is freed after each (a later one of the same shape reuses the compiled code; CUDA graphs are re-recorded by the
+    row's own warm-up). A `fullgraph=True` compile that fails (a graph break) is retried once with `fullgraph=False`.
+    Returns {(batch, context): {"compile_warmup_s": s, "compile_config": the options used} or {"error": ...}}, and
+    under "fallback" the failed attempts."""
+    from transformers import CompileConfig, StaticCache
+
+    done: dict[tuple[int, int], dict] = {}
+    for context, batch in itertools.product(contexts, batches):
+        progress({"shape": shape, "cache": "static", "mode": "peer", "model": "plain Qwen2 peer", "batch": batch,
+                  "context": context, "status": "compiling", "compile_started": _dt.datetime.now(_dt.timezone.utc)
+                  .isoformat(timespec="seconds"), "compile_config": compile_config, "compiled_before": {
+                      f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k: v for k, v in done.items()}})
+        ids = torch.randint(1, peer.config.vocab_size, (batch, warmup_prompt), device=device)
+        kw: dict[str, Any] = {CACHE_KWARG: StaticCache(config=peer.config, max_cache_len=context)}
+        options = compile_config
+        while True:
+            if options is not None:
+                kw["compile_config"] = CompileConfig(**options)
+            try:
+                _sync(device)
+                start = time.perf_counter()
+                peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                              do_sample=False, pad_token_id=0, **kw)
+                _sync(device)
+                seconds = time.perf_counter() - start
+                done[(batch, context)] = {"compile_warmup_s": round(seconds, 2), "compile_config": options}
+                break
+            except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
+                failed = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+                if options is not None and options.get("fullgraph") and not isinstance(err, torch.OutOfMemoryError):
+                    # one graph was asked for and the model breaks it: transformers' default (graph breaks allowed)
+                    done.setdefault("fallback", []).append({"batch": batch, "context": context, "error": failed})
+                    options = {**options, "fullgraph": False}
+                    torch._dynamo.reset()
+                    continue
+                done[(batch, context)] = {"error": failed, "compile_config": options}
+                break
+        kw.clear()
+        gc.collect()
+        reset_peak(device)
+    return done
+
+
+def wait_for(path: str, timeout_s: float | None) -> float:
+    """Block until `path` exists (or `timeout_s` passes); returns the seconds waited."""
+    start = time.perf_counter()
+    while not Path(path).exists():
+        if timeout_s is not None and time.perf_counter() - start > timeout_s:
+            break
+        time.sleep(0.2)
+    return round(time.perf_counter() - start, 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main` (the suite's tests parse its command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["ouro-1.4b", "huginn-0125"], help="model shapes")
     parser.add_argument("--caches", nargs="+", default=["full"], choices=sorted(CACHES), help="looped-model caches")
     parser.add_argument("--peers", nargs="*", default=[], choices=PEERS, help="transformers caches on the plain peer")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the peers (the looped model is built on the meta device, for its shape)")
+    parser.add_argument("--peers-after", default=None, metavar="FILE",
+                        help="compile the static peer first, then wait until FILE exists before the timed peer rows")
+    parser.add_argument("--peers-wait-s", type=float, default=None, help="wait at most this long for --peers-after")
+    parser.add_argument("--peer-compile", nargs="*", default=list(PEER_COMPILE), metavar="KEY=VALUE",
+                        help="transformers CompileConfig of the static peer (none given: transformers' default)")
+    parser.add_argument("--quantized-backends", nargs="+", default=list(QUANTIZED_BACKENDS),
+                        help="QuantizedCache backends to try in order (quanto, hqq, and on newer transformers fp8)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="batch sizes")
     parser.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt + new tokens (one or more)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
+    parser.add_argument("--timing", default="pair", choices=("pair", "steps"),
+                        help="decode time: full run minus a prefill-only run (pair), or per step in one run (steps)")
+    parser.add_argument("--warmup-prompt", type=int, default=None,
+                        help="prompt tokens of a static cache's warm-up run (default: the whole prompt)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no row expected to end past this many seconds (its prefill estimated from the slowest "
+                             "prefill per row and token so far, plus the median rest of a row; skipped rows: deadline)")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
     parser.add_argument("--out", default="generate", help="result file name under benchmarks/results/")
     parser.add_argument("--device", default="cuda", help="torch device")
@@ -257,40 +423,109 @@ def main(argv: list[str] | None = None) -> None:
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        raise SystemExit(f"--new-tokens must be >= 2 (one decode step to time), got {args.new_tokens}")
+    if any(c <= args.new_tokens for c in args.context):
+        raise SystemExit(f"--context must each exceed --new-tokens ({args.new_tokens}), got {args.context}")
+    if args.peers_after and not args.peers:
+        raise SystemExit("--peers-after needs --peers")
     modes = [m for m in MODES if m in args.modes or (m == "static" and args.static) or (m == "graph" and args.graph)]
+    compile_config = parse_compile_config(args.peer_compile) if args.peer_compile else None
     reference: dict[tuple, torch.Tensor] = {}
     StaticDenseLayer.read_method = args.static_read
     device = args.device
     dtype = getattr(torch, args.dtype)
-    rows = []
+    t0 = time.perf_counter()
+    # a row's time, estimated: its prefill (the slowest prefill seconds per row and token so far, times batch x
+    # context) plus the median of the rest of the rows so far (warm-up, capture, decode: about constant)
+    rate, fixed = [0.0], []
+    rows: list[dict] = []
+
+    def add(row: dict, seconds: float) -> None:
+        if row.get("prefill_s") is not None:
+            rate[0] = max(rate[0], row["prefill_s"] / (row["batch"] * row["context"]))
+            fixed.append(max(0.0, seconds - row["prefill_s"]))
+        row["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        print(row, flush=True)
+        rows.append(row)
+        write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
+
+    def late(batch: int, context: int) -> bool:
+        if args.deadline_s is None:
+            return False
+        rest = sorted(fixed)[len(fixed) // 2] if fixed else 0.0
+        return time.perf_counter() - t0 + rate[0] * batch * context + rest > args.deadline_s
+
+    def skipped(shape: str, cache: str, mode: str, batch: int, context: int) -> dict:
+        return {"shape": shape, "cache": cache, "mode": mode, "batch": batch, "context": context, "status": "deadline",
+                "model": "plain Qwen2 peer" if mode == "peer" else "looped"}
+
     for shape in args.shapes:
-        model = build(shape, dtype, device)
-        warm = torch.randint(1, model.config.vocab_size, (1, 64), device=device)
+        model = build(shape, dtype, "meta" if args.peers_only else device)
         extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
-        model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
-        for cache_name in args.caches:
+        warm = torch.randint(1, model.config.vocab_size, (1, 64), device=device)
+        if not args.peers_only:
+            model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
+        for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
                 for mode, on in itertools.product(modes, args.fused):
+                    if late(batch, context):
+                        rows.append(skipped(shape, cache_name, mode, batch, context))
+                        write_rows(args.out, rows)
+                        continue
+                    start = time.perf_counter()
                     with contextlib.nullcontext() if on == "on" else fused.disabled():
                         row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
                                       count_kernels=args.count_kernels, mode=mode, reference=reference,
-                                      fused_ops=on == "on")
-                    print(row, flush=True)
-                    rows.append(row)
-                    write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
+                                      fused_ops=on == "on", timing=args.timing, warmup_prompt=args.warmup_prompt)
+                    add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)
             del model
             reset_peak(device)
             peer.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            compiled: dict = {}
+            if args.peers_after and "static" in args.peers:
+                compiled = precompile_static_peer(
+                    peer, shape, args.batches, args.context, device, compile_config=compile_config,
+                    warmup_prompt=args.warmup_prompt or 16,
+                    progress=lambda partial: write_rows(args.out, [*rows, partial]),
+                )
+                print("static peer compiled:", compiled, flush=True)
+                write_rows(args.out, [*rows, {"shape": shape, "cache": "static", "mode": "peer",
+                                              "model": "plain Qwen2 peer", "status": f"compiled; waiting for {args.peers_after}",
+                                              "compiled": {f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k: v
+                                                           for k, v in compiled.items()}}])
+            waited = wait_for(args.peers_after, args.peers_wait_s) if args.peers_after else None
             for name in args.peers:
                 for context, batch in itertools.product(args.context, args.batches):
+                    if late(batch, context):
+                        rows.append(skipped(shape, name, "peer", batch, context))
+                        write_rows(args.out, rows)
+                        continue
+                    start = time.perf_counter()
+                    first = compiled.get((batch, context), {}) if name == "static" else {}
                     row = run_one(peer, shape, name, batch, context, args.new_tokens, device, peer=True,
-                                  count_kernels=args.count_kernels)
-                    print(row, flush=True)
-                    rows.append(row)
-                    write_rows(args.out, rows)  # row by row: a run stopped by a time limit keeps what finished
+                                  count_kernels=args.count_kernels, timing=args.timing,
+                                  warmup_prompt=args.warmup_prompt,
+                                  compile_config=first.get("compile_config", compile_config),
+                                  quantized_backends=tuple(args.quantized_backends))
+                    if first:  # compiled before the wait: the row's own warm-up re-records the CUDA graphs
+                        row["rewarm_s"] = row.pop("compile_warmup_s", None)
+                        row["compile_warmup_s"] = first.get("compile_warmup_s")
+                        if "error" in first:
+                            row["precompile_error"] = first["error"]
+                        if compiled.get("fallback"):
+                            row["compile_fallback"] = compiled["fallback"]
+                    if waited is not None:
+                        row["waited_s"] = waited
+                    add(row, time.perf_counter() - start)
             del peer
         else:
             del model

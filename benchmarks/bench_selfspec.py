@@ -15,29 +15,45 @@ Two modes:
   verifications, rollbacks and commits they run are the real ones. Default shapes: Huginn-0125 (d = 4 of 32) and
   Ouro-1.4B (d = 2 of 4), over the full cache, RIPE(64), the deepest plane and LoopKV `kivi4-share`, batches 1 and 8.
 
+How the time is measured. Both ways decode all `--new-tokens` tokens per row (default 64) and are timed directly:
+`SpeculativeStats(phase_timing=False).decode_time_s`, from the host read of the prefill's token (the decoder's first
+sync, so the prefill is done and not counted) to the end of the last block (one sync after the loop), with no sync
+added per block: the decode as it runs without stats. (Before session 12 the decode time was the call's total minus a
+separately timed prefill, and the sequential way decoded 12 tokens and was scaled: at batch 8 that difference came out
+negative.) A second speculative run with `SpeculativeStats()` times the draft and verification phases (a sync around
+each) for the cost ratios `c = t(draft forward) / t(sequential step)` and `v = t(verification) / t(sequential step)`;
+its total is not used. Throughput counts the tokens committed after the prefill's, of every row, over the decode time
+(`sequential_tokens_per_s`, `speculative_tokens_per_s`); the speed-up is their ratio.
+
+`--mode graph` measures both ways through the static cache's captured steps (issue #16: a launch-bound eager step
+flatters speculation): each cache is built `static=True` for the row's batch and `prompt + (new_tokens + 1) *
+(gamma + 1)` positions (holes included); sequential decoding replays the captured one-token step and self-speculation
+the captured drafts (one token, `d` loops) and verifications (`gamma + 1` tokens, every loop). A run that captures
+every step the timed runs replay comes first (the same prompt and forced-acceptance seed, so the same blocks), then
+the cache is reset (it keeps storage and graphs) before each timed run. A row during which a `triton_ops` op fell back
+to its reference (`triton_ops._dispatch.fallback_counts`, e.g. a head dim the coded-attention kernel does not take)
+gets `status: "fallback..."` and its messages, and is left out of the table's measurements and the plot; the check
+runs after each way's first runs (the captures), so such a row is refused before its timed runs.
+
+Predictions. Per row: the pooled acceptance `alpha` (accepted over tested drafts), each row's own acceptance
+(`row_acceptance`) and verifications, `tau` per row-verification, `tau_eff` = tokens per row / verifications of the
+batch, and RIPE Eq. (8) `S = tau(alpha, gamma) / (gamma c + 1)` (eta = 1, `tau` from Eq. 7 at the measured alpha):
+the steady state, what a decoder that refills finished rows gets. A batch decodes its rows independently (each row
+advances by its own `k_b + 1` per verification; the shorter rows' positions become holes: no row waits within a
+block), but a call of fixed length ends when its slowest row has its `n` tokens, and the rows done earlier ride along
+in every forward. So this call's prediction is `predicted_speedup_eq8_batch = (n / E[max_b T_b]) / (gamma c + 1)`,
+`T_b` the verifications row `b` needs for `n` tokens at its measured acceptance under Eq. 7's model
+(`batch_tokens_per_verification`; `_pooled`: every row at the pooled alpha, what forced acceptance draws). At batch 1
+it is below Eq. 8 by the last block's rounding only (small for n = 64); at batch 8 with n = 64 and alpha = 0.66 the
+slowest of 8 rows costs about 16 % (0.84 of the steady state; 0.74 at n = 24). The sequential way has no such tail
+(every row takes exactly `n` steps). `predicted_speedup_accounting = tau_eff / (gamma c + v)` is what the measured
+block cost and the realised tokens per verification give; `ms_block_timed` against `ms_block_phases` shows the
+host and sync time per block the phase syncs add.
+
 One call fits a wall-time budget (`--budget-s`, default 240 s): rows run shape by shape, batch 1 first, and a row
-whose estimated time (the longest finished row of its shape and batch, else twice the warm-up's step time per token)
-does not fit what is left is written as skipped, with its estimate. The sequential baseline decodes `--seq-tokens`
-tokens (default 12) and its mean step time is scaled to `--new-tokens` (a decode step is flat over a few dozen
-tokens); the speculative run decodes all `--new-tokens`. With CUDA, a probe of one dense cell's attention comes first
-per shape and batch (`probe_attention`: host and GPU time per call and SDPA's backend, the key length growing per
-call): it shows what each attention form a decoder uses costs on the machine.
-
-`--mode graph` measures both ways through the static cache's captured steps instead (issue #16: a launch-bound eager
-step flatters speculation): each cache is built `static=True` for the row's batch and `prompt + (new_tokens + 1) *
-(gamma + 1)` positions (holes included), sequential decoding replays the captured one-token step and
-self-speculation the captured drafts (one token, `d` loops) and verifications (`gamma + 1` tokens, every loop). Per
-row and way, one run captures every step the timed runs replay (the same prompt and forced-acceptance seed), then the
-cache is reset (it keeps storage and graphs) and decoded twice more: once with a `SpeculativeStats` (phase timing, so
-synchronised per phase: gives `c` and `v`) and once without (one sync per block: gives the speed-up). LoopKV plans
-are not captured for self-speculation yet (a row says so).
-
-Per row: decode time (total minus prefill, CUDA synchronised), tokens/s, the measured speed-up, tokens per
-verification `tau` (per row, and `tau_eff` = new tokens / verifications, what the slowest row of a batch allows), the
-acceptance at each draft position, the cost ratios `c = t(draft forward) / t(sequential step)` and
-`v = t(verification) / t(sequential step)`, RIPE Eq. (8)'s prediction `S = tau(alpha, gamma) / (gamma c + 1)` (eta = 1,
-tau from Eq. 7 at the measured alpha) and the accounting `tau_eff / (gamma c + v)`. Timing phases needs syncs, so the
-speculative run passes a `SpeculativeStats` (the step already syncs once per verification for the acceptance).
+whose estimated time (the longest finished row of its shape and batch, else from the warm-up's step time) does not
+fit what is left is written as skipped, with its estimate. With CUDA and `--mode eager`, a probe of one dense cell's
+attention comes first per shape and batch (`probe_attention`: host and GPU time per call and SDPA's backend).
 """
 
 from __future__ import annotations
@@ -51,7 +67,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, build, peak_gib, reset_peak, timed, write_rows
+from benchmarks.common import RESULTS, build, peak_gib, reset_peak, write_rows
 from hf_loopcache import (
     DeepestPlaneCache,
     FullLoopCache,
@@ -61,6 +77,7 @@ from hf_loopcache import (
     self_speculative_generate,
 )
 from hf_loopcache.fixtures import heldout_documents, load_fixture
+from triton_ops._dispatch import fallback_counts
 
 CACHES = {
     "full": lambda model, gamma, **kw: FullLoopCache(model, **kw),
@@ -125,45 +142,105 @@ def _prompts(shape: str, model: Any, tok: Any, batch: int, length: int, device: 
     return torch.stack(rows).to(device)
 
 
-def _decode(model, ids, cache, *, draft, gamma, new_tokens, alpha, kwargs, mode="eager") -> tuple[SpeculativeStats, float]:
-    """Decode once and return the stats and the decode time (total minus prefill). `graph`: on a static cache, a run
-    that captures every step first, then (after `cache.reset()`) a timed run with stats and one without; the decode
-    time is the one without (no phase syncs), minus the prefill the stats run measured."""
+class FellBack(RuntimeError):
+    """A row's first run used a `triton_ops` reference (see `mark_fallbacks`): it is not timed further."""
 
-    def run(stats: SpeculativeStats | None) -> float:
+
+def _refuse_fallbacks(before: dict[str, int]) -> None:
+    now = fallback_counts()
+    new = [msg for msg, n in now.items() if n > before.get(msg, 0)]
+    if new:
+        raise FellBack("; ".join(new))
+
+
+def _decode(
+    model, ids, cache, *, draft, gamma, new_tokens, alpha, kwargs, mode="eager", phases=True, fallbacks=None
+) -> tuple[SpeculativeStats | None, SpeculativeStats]:
+    """Decode `ids` and return `(phase stats, timed stats)`.
+
+    The timed run passes `SpeculativeStats(phase_timing=False)`: its `decode_time_s` runs from the host read of the
+    prefill's token (the prefill is done) to the end of the last block, with no sync added per block, so it is the
+    decode as it runs without stats. With `phases`, a run before it passes a `SpeculativeStats()` that times the draft
+    and verification phases (a sync around each: gives `c` and `v`; its own total is not used). `graph`: on a static
+    cache a run that captures every step comes first (the same prompt and seed, so the same blocks: the sequential
+    way's capture decodes 3 tokens, it only needs the one-token step), and the cache is reset (it keeps storage and
+    graphs) before each later run. Eager runs reset the (growable) cache between runs as well."""
+
+    def run(stats: SpeculativeStats | None, tokens: int = new_tokens) -> None:
         gen = torch.Generator(device=ids.device).manual_seed(0)
-        _, total = timed(
-            lambda: self_speculative_generate(
-                model,
-                ids,
-                draft_loops=draft,
-                block_size=gamma,
-                max_new_tokens=new_tokens,
-                cache=cache,
-                speculative_stats=stats,
-                forced_acceptance=alpha,
-                generator=gen,
-                **kwargs,
-            ),
-            str(ids.device),
+        self_speculative_generate(
+            model,
+            ids,
+            draft_loops=draft,
+            block_size=gamma,
+            max_new_tokens=tokens,
+            cache=cache,
+            speculative_stats=stats,
+            forced_acceptance=alpha,
+            generator=gen,
+            **kwargs,
         )
-        return total
+        cache.reset()
 
-    stats = SpeculativeStats()
-    if mode != "graph":
-        return stats, run(stats) - stats.prefill_time_s
-    run(None)  # captures
-    cache.reset()
-    run(stats)
-    cache.reset()
-    return stats, run(None) - stats.prefill_time_s
+    if mode == "graph":
+        run(None, new_tokens if phases else min(3, new_tokens))  # captures
+    phase = None
+    if phases:
+        phase = SpeculativeStats()
+        run(phase)
+    if fallbacks is not None:  # the row's forwards have all run once: stop here if one used a reference op
+        _refuse_fallbacks(fallbacks)
+    timed_stats = SpeculativeStats(phase_timing=False)
+    run(timed_stats)
+    return phase, timed_stats
+
+
+def row_completion_pmf(alpha: float, gamma: int, n: int, t_max: int) -> list[float]:
+    """`P(T <= t)` for `t = 0 .. t_max`: `T` the verifications a row needs for `n` tokens when each verification gives
+    it `k + 1` tokens, `k` the accepted drafts of `gamma`, each accepted with probability `alpha` independently
+    (Eq. 7's model, which forced acceptance draws). The decoder shortens the last blocks to the longest row's
+    remaining budget; that does not change when a row reaches `n` (a row with `r` tokens left still needs `r - 1`
+    accepted drafts), so `T` is the same as without it."""
+    step = [alpha ** (j - 1) * (1 - alpha) for j in range(1, gamma + 1)] + [alpha**gamma]  # P(k + 1 = j)
+    dist = [0.0] * (n + 1)  # tokens so far, capped at n (absorbing)
+    dist[0] = 1.0
+    done = [0.0 if n > 0 else 1.0]
+    for _ in range(t_max):
+        nxt = [0.0] * (n + 1)
+        nxt[n] = dist[n]
+        for have in range(n):
+            if dist[have]:
+                for j, p in enumerate(step, start=1):
+                    nxt[min(n, have + j)] += dist[have] * p
+        dist = nxt
+        done.append(dist[n])
+    return done
+
+
+def batch_tokens_per_verification(alphas: list[float], gamma: int, n: int) -> float:
+    """Expected tokens per row per verification of a batch that decodes `n` tokens per row, rows at acceptance
+    `alphas` (one per row): `n / E[max_b T_b]`. Batched verification advances every row by its own `k_b + 1`
+    (no row waits within a block: the shorter rows' positions become holes), but the call ends when its slowest row
+    has its `n` tokens, and the rows done before it ride along (their share of each forward is spent). At batch 1
+    it is `n / E[T]`, below Eq. 7's `tau` by the last block's rounding; for `n -> inf` it tends to the mean of Eq. 7
+    over the rows (what a server that refills finished rows gets)."""
+    if n <= 0:
+        return 0.0
+    t_max = n  # a verification gives every row at least one token
+    cdfs = [row_completion_pmf(a, gamma, n, t_max) for a in alphas]
+    expected = 0.0
+    for t in range(t_max):
+        all_done = 1.0
+        for cdf in cdfs:
+            all_done *= cdf[t]
+        expected += 1.0 - all_done  # E[max T] = sum_t P(max T > t)
+    return n / expected
 
 
 def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]:
     gamma, draft, device = args.block_size, DRAFT_LOOPS[shape], args.device
     kwargs = {"init_scale": 0.0} if "huginn" in shape else {}
     new = args.new_tokens
-    seq_new = min(new, args.seq_tokens) if args.seq_tokens else new
     length = ids.shape[1] + (new + 1) * (gamma + 1)  # static storage: every block may leave up to gamma holes
     make = lambda: make_cache(cache_name, model, gamma, args.mode, ids.shape[0], length)  # noqa: E731
     row: dict[str, Any] = {
@@ -184,19 +261,22 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
     except ValueError as err:  # e.g. a coded plan whose group size does not divide this shape's head dim
         row.update(status="unsupported", error=str(err)[:200])
         return row
+    before = fallback_counts()
     try:
         reset_peak(device)
         seq_cache = make()
-        seq_stats, t_seq = _decode(
-            model, ids, seq_cache, draft=draft, gamma=0, new_tokens=seq_new, alpha=None, kwargs=kwargs, mode=args.mode
+        _, seq = _decode(
+            model, ids, seq_cache, draft=draft, gamma=0, new_tokens=new, alpha=None, kwargs=kwargs, mode=args.mode,
+            phases=False, fallbacks=before,
         )
         captured = seq_cache.captured_steps() if args.mode == "graph" else []
         del seq_cache
         seq_peak = peak_gib(device)
         reset_peak(device)
         spec_cache = make()
-        stats, t_spec = _decode(
-            model, ids, spec_cache, draft=draft, gamma=gamma, new_tokens=new, alpha=alpha, kwargs=kwargs, mode=args.mode
+        phase, spec = _decode(
+            model, ids, spec_cache, draft=draft, gamma=gamma, new_tokens=new, alpha=alpha, kwargs=kwargs,
+            mode=args.mode, fallbacks=before,
         )
         if args.mode == "graph":
             captured += spec_cache.captured_steps()
@@ -206,44 +286,75 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
     except torch.OutOfMemoryError as err:
         row.update(status="oom", error=str(err).splitlines()[0][:200])
         return row
-    steps = new - 1  # tokens after the one the prefill gives
-    t_step = t_seq / (seq_new - 1)  # the sequential step is flat over a few dozen tokens: measure fewer, scale
-    t_seq = t_step * steps
-    t_draft = stats.draft_time_s / max(1, stats.draft_forwards)
-    t_verify = stats.verify_time_s / max(1, stats.verifications)
+    except FellBack:  # `main` records the messages (`mark_fallbacks`)
+        row.update(status="fallback (not timed: a reference op ran where the kernel was meant to)")
+        return row
+    row.update(_accounting(model, seq, phase, spec, gamma, draft, batch))
+    row.update(peak_memory_gib_sequential=seq_peak, peak_memory_gib_speculative=peak_gib(device))
+    return row
+
+
+def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats, gamma: int, draft: int, batch: int):
+    """A row's numbers from the sequential run's and the speculative runs' stats (see the module docstring)."""
+    seq_tokens = sum(seq.row_tokens) - batch  # committed after the prefill's token, all rows
+    spec_tokens = sum(spec.row_tokens) - batch
+    t_seq, t_spec = seq.decode_time_s, spec.decode_time_s
+    t_step = t_seq / max(1, seq.verifications)  # one full-depth one-token forward per sequential step
+    t_draft = phase.draft_time_s / max(1, phase.draft_forwards)
+    t_verify = phase.verify_time_s / max(1, phase.verifications)
     c, v = t_draft / t_step, t_verify / t_step
-    alpha_hat = stats.acceptance_rate
-    tau_eff = steps / max(1, stats.verifications)
-    row.update(
+    alpha_hat = spec.acceptance_rate
+    n = spec_tokens // batch  # tokens per row after the prefill's
+    row_alpha = spec.row_acceptance
+    tau_rows = [tau_eq7(a, gamma) for a in row_alpha]
+    tau_steady = sum(tau_rows) / len(tau_rows)
+    tau_batch = batch_tokens_per_verification(row_alpha, gamma, n)
+    tau_pooled = batch_tokens_per_verification([alpha_hat] * batch, gamma, n)  # rows i.i.d. (forced acceptance)
+    tau_eff = n / max(1, spec.verifications)
+    seq_rate, spec_rate = seq_tokens / t_seq, spec_tokens / t_spec
+    speedup = spec_rate / seq_rate
+    eq8 = speedup_eq8(alpha_hat, gamma, c)
+    eq8_batch = tau_batch / (gamma * c + 1.0)
+    phase_block_s = (phase.draft_time_s + phase.verify_time_s) / max(1, phase.verifications)
+    return dict(
         status="ok",
         sequential_decode_s=round(t_seq, 4),
         speculative_decode_s=round(t_spec, 4),
-        sequential_tokens_per_s=round(batch * steps / t_seq, 2),
-        speculative_tokens_per_s=round(batch * steps / t_spec, 2),
-        speedup=round(t_seq / t_spec, 3),
+        sequential_tokens=seq_tokens,
+        speculative_tokens=spec_tokens,
+        sequential_tokens_per_s=round(seq_rate, 2),
+        speculative_tokens_per_s=round(spec_rate, 2),
+        speedup=round(speedup, 3),
         acceptance_rate=round(alpha_hat, 4),
-        acceptance_by_position=[round(a, 4) for a in stats.acceptance_by_position],
-        accepted=list(stats.accepted),
-        reached=list(stats.reached),
-        tokens_per_verification=round(stats.tokens_per_verification, 3),
+        acceptance_by_position=[round(a, 4) for a in spec.acceptance_by_position],
+        accepted=list(spec.accepted),
+        reached=list(spec.reached),
+        row_acceptance=[round(a, 4) for a in row_alpha],
+        row_verifications=list(spec.row_verifications_by_row),
+        tokens_per_verification=round(spec.tokens_per_verification, 3),
         tau_eq7=round(tau_eq7(alpha_hat, gamma), 3),
+        tau_rows_eq7_mean=round(tau_steady, 3),
+        tau_batch_predicted=round(tau_batch, 3),
         tau_eff=round(tau_eff, 3),
-        verifications=stats.verifications,
+        verifications=spec.verifications,
         ms_sequential_step=round(1000 * t_step, 3),
         ms_draft_forward=round(1000 * t_draft, 3),
         ms_verification=round(1000 * t_verify, 3),
+        ms_block_timed=round(1000 * t_spec / max(1, spec.verifications), 3),
+        ms_block_phases=round(1000 * phase_block_s, 3),
         cost_ratio_draft=round(c, 4),
         cost_ratio_verify=round(v, 4),
         cost_ratio_layer_passes=round(_passes(model, draft) / _passes(model, model.loop_layout.num_loops), 4),
-        sequential_steps_measured=seq_new - 1,
-        predicted_speedup_eq8=round(speedup_eq8(alpha_hat, gamma, c), 3),
+        sequential_steps_measured=seq.verifications,
+        predicted_speedup_eq8=round(eq8, 3),
         predicted_speedup_eq8_measured_verify=round(tau_eq7(alpha_hat, gamma) / (gamma * c + v), 3),
+        predicted_speedup_eq8_batch=round(eq8_batch, 3),
+        predicted_speedup_eq8_batch_pooled=round(tau_pooled / (gamma * c + 1.0), 3),
+        tau_batch_predicted_pooled=round(tau_pooled, 3),
         predicted_speedup_accounting=round(tau_eff / (gamma * c + v), 3),
-        speedup_over_eq8=round((t_seq / t_spec) / speedup_eq8(alpha_hat, gamma, c), 3),
-        peak_memory_gib_sequential=seq_peak,
-        peak_memory_gib_speculative=peak_gib(device),
+        speedup_over_eq8=round(speedup / eq8, 3),
+        speedup_over_eq8_batch=round(speedup / eq8_batch, 3),
     )
-    return row
 
 
 def _passes(model, loops: int) -> int:
@@ -468,13 +579,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per row")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument(
-        "--seq-tokens",
-        type=int,
-        default=12,
-        help="tokens the sequential baseline decodes; its mean step time is scaled to --new-tokens (0: all of them)",
-    )
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per row, both ways (timed directly)")
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8, help="--acceptance-only: held-out prompts per fixture")
     parser.add_argument("--extra-draft-loops", nargs="*", type=int, default=[], help="--acceptance-only: more d")
@@ -547,15 +652,12 @@ def main(argv: list[str] | None = None) -> None:
                 probe["shape"] = shape
                 print(probe, flush=True)
                 rows.append(probe)
-    done: dict[tuple[str, int], float] = {}  # (shape, batch) -> longest row so far (s)
+    done: dict[tuple, float] = {}  # (shape, batch) -> longest row so far, (shape, cache, batch) -> its row (s)
     for batch in args.batches:
         for shape in args.shapes:
             model, tok, step_s = models[shape]
             for cache_name in args.caches:
-                # before the first row of this shape and batch: the sequential baseline's steps and about as many
-                # step-equivalents for the speculative run, from the warm-up step, with a margin; then the longest row
-                first = 1.5 * step_s * (args.seq_tokens + args.new_tokens) * (1 + batch / 8)
-                estimate = 1.1 * done[(shape, batch)] if (shape, batch) in done else first
+                estimate = _estimate(done, shape, cache_name, batch, step_s, args.new_tokens)
                 if estimate > left():
                     rows.append(
                         {
@@ -569,14 +671,17 @@ def main(argv: list[str] | None = None) -> None:
                 ids = _prompts(shape, model, tok, batch, args.prompt, args.device)
                 alpha, source = _alpha(shape, cache_name, rows, acceptance)
                 t0 = time.perf_counter()
+                before = fallback_counts()
                 try:
                     row = run_row(model, shape, cache_name, batch, ids, args, alpha)
                 except Exception as err:  # noqa: BLE001 - one device call makes the table: record, go on
                     row = {"shape": shape, "cache": cache_name, "batch": batch, "status": "error"}
                     row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                mark_fallbacks(row, before, fallback_counts())
                 row["acceptance_source"] = source
                 row["row_wall_s"] = round(time.perf_counter() - t0, 1)
                 done[(shape, batch)] = max(done.get((shape, batch), 0.0), row["row_wall_s"])
+                done[(shape, cache_name, batch)] = row["row_wall_s"]
                 print(row, flush=True)
                 rows.append(row)
                 write_rows(args.out, rows)  # after every row: a call cut short keeps what it measured
@@ -589,6 +694,30 @@ def main(argv: list[str] | None = None) -> None:
     print(summary(rows))
 
 
+def _estimate(done: dict[tuple, float], shape: str, cache: str, batch: int, step_s: float, new_tokens: int) -> float:
+    """Seconds a row will take, to skip what does not fit the budget: the same shape and cache at a smaller batch
+    (x 2: a batch-8 step costs about twice a batch-1 step on the H200), else the longest row of this shape and batch,
+    else from the warm-up's step time (an eager step including the prefill: an upper bound) for the sequential run's
+    steps and about twice as many step-equivalents for the speculative runs, with a margin."""
+    smaller = [b for (s, c, b) in (k for k in done if len(k) == 3) if s == shape and c == cache and b < batch]
+    if smaller:
+        return 1.1 * 2 * done[(shape, cache, max(smaller))]
+    if (shape, batch) in done:
+        return 1.1 * done[(shape, batch)]
+    return 1.5 * step_s * 3 * new_tokens * (1 + batch / 8)
+
+
+def mark_fallbacks(row: dict[str, Any], before: dict[str, int], after: dict[str, int]) -> None:
+    """A row during which a `triton_ops` op ran its reference instead of its kernel (`announce_once` calls between
+    the two `fallback_counts()` copies) is no measurement of the kernel path: its status becomes `fallback`, and it
+    keeps the messages and how often each was announced (the sums and plot leave it out)."""
+    new = {msg: n - before.get(msg, 0) for msg, n in after.items() if n > before.get(msg, 0)}
+    if new:
+        row["fallbacks"] = new
+        if row.get("status") == "ok":
+            row["status"] = "fallback"
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -598,22 +727,26 @@ def summary(rows: list[dict[str, Any]]) -> str:
     """The README's table (Markdown): per row alpha, the measured cost ratios, Eq. (8) and the measured speed-up
     with its share of Eq. (8); skipped rows with their note."""
     lines = [
-        "| model | mode | cache | batch | alpha | c (draft) | v (verify) | Eq. (8) | measured speed-up | seq. tok/s | "
-        "spec. tok/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | mode | cache | batch | alpha (rows) | c (draft) | v (verify) | Eq. (8) | Eq. (8), this batch and n | "
+        "measured speed-up | seq. tok/s | spec. tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("status") == "probe":
             continue
         if r.get("status") != "ok":
-            lines.append(f"| {r['shape']} | {r.get('mode', 'eager')} | {r['cache']} | {r['batch']} | {r.get('status')} | | | | | | |")
+            note = r.get("status")
+            if r.get("fallbacks"):
+                note = f"fallback: {'; '.join(r['fallbacks'])}"[:160]
+            lines.append(f"| {r['shape']} | {r.get('mode', 'eager')} | {r['cache']} | {r['batch']} | {note} | | | | | | | |")
             continue
+        rows_alpha = r.get("row_acceptance", [])
+        spread = f" ({min(rows_alpha):.2f}-{max(rows_alpha):.2f})" if len(rows_alpha) > 1 else ""
         lines.append(
-            f"| {r['shape']} | {r.get('mode', 'eager')} | {r['cache']} | {r['batch']} | {r['acceptance_rate']:.3f} | "
-            f"{r['cost_ratio_draft']:.3f} | "
-            f"{r['cost_ratio_verify']:.2f} | {r['predicted_speedup_eq8']:.2f}x | {r['speedup']:.2f}x "
-            f"({r['speedup_over_eq8']:.2f} of Eq. 8) | {r['sequential_tokens_per_s']:.1f} | "
-            f"{r['speculative_tokens_per_s']:.1f} |"
+            f"| {r['shape']} | {r.get('mode', 'eager')} | {r['cache']} | {r['batch']} | {r['acceptance_rate']:.3f}"
+            f"{spread} | {r['cost_ratio_draft']:.3f} | {r['cost_ratio_verify']:.2f} | {r['predicted_speedup_eq8']:.2f}x | "
+            f"{r['predicted_speedup_eq8_batch']:.2f}x | {r['speedup']:.2f}x ({r['speedup_over_eq8']:.2f} / "
+            f"{r['speedup_over_eq8_batch']:.2f}) | {r['sequential_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} |"
         )
     return "\n".join(lines)
 

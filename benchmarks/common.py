@@ -105,6 +105,31 @@ def timed(fn, device: str) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
+class StepClock:
+    """A logits processor that notes the wall and CPU time at each generated token, after a device synchronisation:
+    the first note ends the prefill, the span from the first to the last covers `len(times) - 1` decode steps (one
+    synchronisation per step, as `generate`'s own stopping check already makes)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.times, self.cpu = device, [], []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        return scores
+
+    def decode(self) -> tuple[int, float, float]:
+        """(decode steps, wall seconds, CPU seconds) from the first generated token to the last."""
+        return len(self.times) - 1, self.times[-1] - self.times[0], self.cpu[-1] - self.cpu[0]
+
+    def median_step_s(self) -> float:
+        """The median decode step in seconds (a one-off step, e.g. a first kernel compile, does not move it)."""
+        steps = sorted(b - a for a, b in zip(self.times, self.times[1:]))
+        return steps[len(steps) // 2] if len(steps) % 2 else (steps[len(steps) // 2 - 1] + steps[len(steps) // 2]) / 2
+
+
 def write_rows(name: str, rows: list[dict[str, Any]]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -21,6 +21,8 @@ REGISTRY = {
     "selfspec": ("benchmarks.bench_selfspec", "tests/generation/test_self_speculative.py"),
     "multi-gpu": ("benchmarks.bench_multi_gpu", "tests/cache/test_device_map.py"),
     "flush": ("benchmarks.bench_flush", "tests/ops/test_flush_page.py"),
+    "gemv": ("benchmarks.bench_gemv", "tests/ops/test_gemv_kernels.py"),
+    "suite": ("benchmarks.suite", "tests/test_bench_suite.py"),
 }
 
 

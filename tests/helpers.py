@@ -80,11 +80,11 @@ def teacher_forced_logprob(model, sequence: torch.Tensor, prompt_length: int, ca
 # ------------------------------------------------------------------ CUDA graphs stood in for on the CPU
 def device_state(cache) -> list[torch.Tensor]:
     """Every tensor a captured step of a static `LoopCache` may write: the cache's device-side lengths, key validity
-    and ring starts, and each cell's storage (dense buffers, sink, ring bounds, codes)."""
+    and ring starts, and each cell's storage (dense buffers, sink, ring bounds, codes, the flush's coded slots)."""
     names = ("_length_t", "_valid_t", "_source_length_t")
     tensors = [t for t in (getattr(cache, name, None) for name in names) if t is not None]
     for layer in cache.cells:
-        for name in ("k", "v", "sink_k", "sink_v", "floor_t"):
+        for name in ("k", "v", "sink_k", "sink_v", "floor_t", "coded_t"):
             if getattr(layer, name, None) is not None:
                 tensors.append(getattr(layer, name))
         qk, qv = getattr(layer, "qk", None), getattr(layer, "qv", None)

@@ -16,7 +16,7 @@ def test_graph_mode_runs_both_ways_over_static_caches(tmp_path, monkeypatch):
     bench.main(
         [
             "--shapes", "micro-huginn", "--caches", "full", "loopkv-kivi4-share", "--batches", "2", "--prompt", "32",
-            "--new-tokens", "8", "--seq-tokens", "4", "--mode", "graph", "--device", "cpu", "--out", "smoke",
+            "--new-tokens", "8", "--mode", "graph", "--device", "cpu", "--out", "smoke",
             "--acceptance-file", acceptance,
         ]
     )
@@ -24,6 +24,12 @@ def test_graph_mode_runs_both_ways_over_static_caches(tmp_path, monkeypatch):
     ok = [r for r in rows if r["status"] == "ok"]
     assert [(r["mode"], r["cache"], r["batch"]) for r in ok] == [("graph", "full", 2)]
     assert ok[0]["predicted_speedup_eq8"] > 0 and ok[0]["cost_ratio_verify"] > 0
+    # both ways timed directly over every token of every row (no scaled or subtracted decode time)
+    assert ok[0]["sequential_decode_s"] > 0 and ok[0]["speculative_decode_s"] > 0
+    assert ok[0]["sequential_tokens"] == ok[0]["speculative_tokens"] == 2 * 7 == ok[0]["sequential_steps_measured"] * 2
+    assert len(ok[0]["row_acceptance"]) == len(ok[0]["row_verifications"]) == 2
+    assert max(ok[0]["row_verifications"]) == ok[0]["verifications"]
+    assert ok[0]["predicted_speedup_eq8_batch"] > 0 and ok[0]["predicted_speedup_eq8_batch_pooled"] > 0
     assert [r["status"] for r in rows if r["cache"] == "loopkv-kivi4-share"] == ["unsupported"]  # no static LoopKV yet
 
 
@@ -35,3 +41,104 @@ def test_graph_mode_sizes_the_static_cache_for_holes():
     cache = bench.make_cache("ripe64", model, 4, "graph", 8, 100)
     assert cache.static and (cache.max_batch_size, cache.max_cache_len) == (8, 100)
     assert not bench.make_cache("full", model, 4, "eager", 8, 100).static
+
+
+def test_batch_tokens_per_verification_is_n_over_the_expected_slowest_row():
+    """The batch prediction behind `predicted_speedup_eq8_batch`: exact at alpha 0 and 1, Eq. 7 for long runs at batch
+    1, lower for the slowest of several rows, and equal to a simulation of rows that each accept drafts
+    independently (what batched verification with per-row lengths does) and finish when their `n` tokens are in."""
+    import random
+
+    gamma = 4
+    assert bench.batch_tokens_per_verification([1.0], gamma, 20) == 20 / 4  # ceil(20 / 5) verifications
+    assert bench.batch_tokens_per_verification([0.0] * 8, gamma, 20) == 1.0
+    long_run = bench.batch_tokens_per_verification([0.7], gamma, 400)
+    assert abs(long_run - bench.tau_eq7(0.7, gamma)) < 0.01 * long_run
+    one, eight = (bench.batch_tokens_per_verification([0.7] * b, gamma, 30) for b in (1, 8))
+    assert eight < 0.9 * one
+    rng = random.Random(0)
+    alphas, n, trials, total = [0.5, 0.7, 0.9], 12, 4000, 0
+    for _ in range(trials):
+        worst = 0
+        for a in alphas:
+            have = t = 0
+            while have < n:
+                k = 0
+                while k < gamma and rng.random() < a:
+                    k += 1
+                have, t = have + k + 1, t + 1
+            worst = max(worst, t)
+        total += worst
+    assert abs(bench.batch_tokens_per_verification(alphas, gamma, n) - n / (total / trials)) < 0.02 * n / (total / trials)
+
+
+def test_accounting_counts_every_row_over_the_decode_time():
+    """Throughput is committed tokens of all rows (after the prefill's) over the directly timed decode; the
+    speed-up is the ratio of the two throughputs; the cost ratios come from the phase run."""
+    from hf_loopcache import SpeculativeStats
+    from tests.helpers import make_model
+
+    seq = SpeculativeStats(phase_timing=False, verifications=9, decode_time_s=0.9, row_tokens=[10, 10])
+    spec = SpeculativeStats(phase_timing=False, verifications=3, decode_time_s=0.45, row_tokens=[10, 10])
+    spec.reached, spec.accepted = [6, 5, 4, 3], [5, 4, 3, 3]
+    spec.row_reached, spec.row_accepted, spec.row_verifications_by_row = [9, 9], [8, 7], [3, 3]
+    phase = SpeculativeStats(verifications=3, draft_forwards=12, draft_time_s=0.12, verify_time_s=0.33)
+    row = bench._accounting(make_model("ouro"), seq, phase, spec, 4, 2, 2)
+    assert row["sequential_tokens"] == row["speculative_tokens"] == 18
+    assert row["sequential_tokens_per_s"] == 20.0 and row["speculative_tokens_per_s"] == 40.0
+    assert row["speedup"] == 2.0
+    assert row["ms_sequential_step"] == 100.0 and row["cost_ratio_draft"] == 0.1 and row["cost_ratio_verify"] == 1.1
+    assert row["tau_eff"] == 3.0 and row["row_acceptance"] == [round(8 / 9, 4), round(7 / 9, 4)]
+
+
+def test_a_row_that_fell_back_to_a_reference_is_marked():
+    """Every `announce_once` call counts (not only the first), so a row that ran a reference op is caught even when
+    an earlier row announced the same fallback."""
+    from triton_ops._dispatch import announce_once, fallback_counts
+
+    announce_once("test: kernel refused this shape")
+    before = fallback_counts()
+    announce_once("test: kernel refused this shape")
+    row = {"status": "ok"}
+    bench.mark_fallbacks(row, before, fallback_counts())
+    assert row["status"] == "fallback" and row["fallbacks"] == {"test: kernel refused this shape": 1}
+    clean = {"status": "ok"}
+    bench.mark_fallbacks(clean, fallback_counts(), fallback_counts())
+    assert clean == {"status": "ok"}
+
+
+def test_a_row_whose_kernel_falls_back_is_refused_before_it_is_timed(tmp_path, monkeypatch):
+    """A reference op announced during a row's first runs stops the row (no timed runs) and marks it."""
+    import triton_ops.coded_attention.ops as ops
+    from triton_ops._dispatch import announce_once
+
+    acceptance = str(common.RESULTS / "selfspec_acceptance.json")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    real = ops.coded_attention
+
+    def refusing(query, view, **kw):  # as on CUDA with a shape the kernel does not take
+        announce_once("coded_attention: the Triton kernel does not take head_dim 96 (test); using the reference")
+        return real(query, view, **kw)
+
+    for module in ("hf_loopcache.cache.layers.static", "hf_loopcache.cache.layers.static_coded"):
+        monkeypatch.setattr(f"{module}.coded_attention", refusing)
+    monkeypatch.setattr("hf_loopcache.cache.layers.static.StaticDenseLayer.read_method", "kernel", raising=False)
+    timed = []
+    monkeypatch.setattr(bench, "_accounting", lambda *a, **k: timed.append(1) or {"status": "ok"})
+    bench.main(
+        ["--shapes", "micro-ouro", "--caches", "ripe64", "--batches", "1", "--prompt", "16", "--new-tokens", "6",
+         "--mode", "graph", "--device", "cpu", "--out", "refused", "--acceptance-file", acceptance]
+    )
+    rows = json.loads((tmp_path / "refused.json").read_text())["rows"]
+    assert rows[0]["status"].startswith("fallback") and not timed
+    assert any("head_dim 96 (test)" in msg for msg in rows[0]["fallbacks"])
+
+
+def test_a_row_estimate_scales_the_same_cache_at_a_smaller_batch():
+    """The budget estimate of a batch-8 row comes from the same shape and cache at batch 1 (not from the slowest
+    row of batch 1, e.g. a coded plan's kernel compilation), else from this batch's longest row, else the warm-up."""
+    done = {("s", 1): 20.0, ("s", "full", 1): 5.0, ("s", "kivi", 1): 20.0}
+    assert bench._estimate(done, "s", "full", 8, 0.1, 64) == 1.1 * 2 * 5.0
+    assert bench._estimate(done, "s", "ripe64", 1, 0.1, 64) == 1.1 * 20.0
+    assert bench._estimate({}, "s", "full", 8, 0.1, 64) == 1.5 * 0.1 * 3 * 64 * 2

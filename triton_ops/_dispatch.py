@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "announce_once",
     "check_same_device",
+    "fallback_counts",
     "launch_device",
     "next_pow2",
     "several_gpus",
@@ -27,6 +28,9 @@ __all__ = [
 
 logger = logging.getLogger("triton_ops")
 _announced: set[str] = set()
+#: every call of `announce_once` by message (each fallback call counts, not only the first): benchmarks read it to
+#: refuse a row that ran a reference where it meant to measure a kernel (`fallback_counts`)
+_fallbacks: dict[str, int] = {}
 
 
 @functools.cache
@@ -47,10 +51,17 @@ def use_triton(op: str, *tensors: torch.Tensor) -> bool:
 
 
 def announce_once(message: str) -> None:
-    """Log `message` as a warning the first time it is seen (a fallback to the reference is worth saying once)."""
+    """Log `message` as a warning the first time it is seen (a fallback to the reference is worth saying once); every
+    call is counted (`fallback_counts`)."""
+    _fallbacks[message] = _fallbacks.get(message, 0) + 1
     if message not in _announced:
         _announced.add(message)
         logger.warning(message)
+
+
+def fallback_counts() -> dict[str, int]:
+    """A copy of how often each fallback message was announced since import (diff two copies around a run)."""
+    return dict(_fallbacks)
 
 
 def next_pow2(n: int) -> int:

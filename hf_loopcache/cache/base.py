@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
 from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
-from hf_loopcache.cache.layers.static_coded import StaticCodedLayer, StaticCodedSharedLayer
+from hf_loopcache.cache.layers.static_coded import FlushGroup, StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
@@ -149,6 +149,11 @@ class LoopCache(Cache):
                 layers[self.layout.flat_index(cell)] = self._make_layer(cell, source)
         super().__init__(layers=list(layers))
         self.cells: list[LoopLayerBase] = layers  # the same objects as `self.layers`, typed
+        coded = [layer for layer in layers if isinstance(layer, StaticCodedLayer)]
+        if coded:  # a complete forward flushes them in one launch per code format
+            group = FlushGroup(coded)
+            for layer in coded:
+                layer.flush_group = group
 
     def _make_layer(self, cell: Cell, source: LoopLayerBase | None) -> LoopLayerBase:
         option = self.plan.option(cell)
@@ -511,12 +516,19 @@ class LoopCache(Cache):
         since; deeper cuts restore the straddling page from its codes. Shared cells are cut before their sources."""
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"`length` must be a non-negative int, got {length!r}")
-        shared_first = sorted(  # a static coded shared cell cut below its ring reads its source as it was
-            self.cells, key=lambda layer: not isinstance(layer, (SharedLayer, StaticCodedSharedLayer))
-        )
-        for layer in shared_first:
-            layer.truncate(min(layer.get_seq_length(), length))
+        for layer in self._shared_first():
+            if layer.get_seq_length() > length:  # every cell's `truncate` leaves a cell holding <= `length` alone
+                layer.truncate(length)
         self._sync_device_length()
+
+    def _shared_first(self) -> list[LoopLayerBase]:
+        """The cells in rollback order: shared cells before their sources (a static coded shared cell cut below its
+        ring reads its source as it was). Sorted once per cell list (self-speculation rolls back twice per block)."""
+        cached = self.__dict__.get("_rollback_order")
+        if cached is None or cached[0] is not self.cells or len(cached[1]) != len(self.cells):
+            order = sorted(self.cells, key=lambda layer: not isinstance(layer, (SharedLayer, StaticCodedSharedLayer)))
+            cached = self.__dict__["_rollback_order"] = (self.cells, order)
+        return cached[1]
 
     def loop_lengths(self) -> list[int]:
         """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a

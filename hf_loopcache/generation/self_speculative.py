@@ -11,7 +11,15 @@ One step, per row of the batch (gpt-fast's shape, in small named functions):
    *holes* (`attention_mask` False). Position ids count a row's real tokens (the cumsum of the mask, as for left
    padding), and windowed cells (RIPE, LoopKV) count their read boundary in each row's *effective* positions (holes
    left out, `attention.effective_positions`), so a row's window holds its own last `W` tokens. No row waits or
-   re-prefills.
+   re-prefills. The call ends when every row has stopped; a row that stopped earlier stays in the batch (its share
+   of each forward is spent, its outputs are dropped), so over a call of `n` tokens per row the batch advances at its
+   slowest row's pace: about `n / E[max_b T_b]` tokens per row per verification, `T_b` the verifications row `b` needs
+   (`benchmarks/bench_selfspec.py`, `batch_tokens_per_verification`). No per-block rule can shorten that tail (the
+   slowest row decides when the call ends; dropping stopped rows would only make the remaining forwards cheaper,
+   which at memory-bound batch sizes is little); a server that refills stopped rows gets Eq. (7)'s tau per row.
+
+Host work per block: one host read of device values (the accepted lengths and tokens, one `.tolist()` after the
+verification), none in the drafts; the rollbacks and the commit are host bookkeeping plus a few device writes.
 
 Why holes are exact (full cache; RIPE with `W >= gamma`): a hole is a masked key, so it gets zero attention weight, and
 every real key keeps its position id and, in effective positions, its distance to every later query. Each real key is
@@ -47,8 +55,13 @@ __all__ = ["SpeculativeStats", "self_speculative", "self_speculative_generate"]
 class SpeculativeStats:
     """Statistics of a self-speculative run; pass one as `speculative_stats=` and it is filled in place.
 
-    Counts are per row-verification of rows still generating. Timing synchronises the device around each phase, so
-    it is only measured when a stats object is passed (without one the decoder adds no syncs).
+    Counts are per row-verification of rows still generating. Phase timing (`draft_time_s`, `verify_time_s`,
+    `prefill_time_s`) synchronises the device around each phase, so it is only measured when a stats object with
+    `phase_timing=True` (the default) is passed. `decode_time_s` needs no extra sync per block: it runs from the host
+    read of the prefill's token (the decoder's first sync: the prefill is done) to the end of the last block (one
+    sync after the loop), so `SpeculativeStats(phase_timing=False)` times the decode as it runs without stats, at one
+    sync per call more. Without a stats object the decoder reads the device once per verification (the accepted
+    lengths and tokens) and once after the prefill.
 
     Attributes:
         verifications (`int`): verification passes (whole batch).
@@ -58,9 +71,17 @@ class SpeculativeStats:
         reached (`list[int]`): per draft position `i`, how often it was tested (every earlier draft accepted).
         accepted (`list[int]`): per draft position `i`, how often it was accepted.
         draft_time_s / verify_time_s (`float`): wall time of drafting (incl. the rollback) and verification (incl.
-            acceptance and commit); `prefill_time_s` the first pass.
+            acceptance and commit); `prefill_time_s` the first pass (0 unless `phase_timing`).
+        decode_time_s (`float`): wall time from the prefill's token on the host to the end of decoding.
+        row_tokens (`list[int]`): tokens each row generated (the prefill's included).
+        row_verifications / row_accepted (`list[int]`): per row, verifications it took part in while generating and
+            draft tokens it accepted; `row_reached` draft tokens it tested (`row_accepted / row_reached` is the
+            row's acceptance; rows of a batch decode independently, so they accept different lengths).
+        phase_timing (`bool`, defaults to True): time the phases (a sync around each); False times `decode_time_s`
+            only.
     """
 
+    phase_timing: bool = True
     verifications: int = 0
     draft_forwards: int = 0
     row_verifications: int = 0
@@ -70,6 +91,16 @@ class SpeculativeStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    row_tokens: list[int] = field(default_factory=list)
+    row_verifications_by_row: list[int] = field(default_factory=list)
+    row_accepted: list[int] = field(default_factory=list)
+    row_reached: list[int] = field(default_factory=list)
+
+    @property
+    def row_acceptance(self) -> list[float]:
+        """Each row's acceptance `alpha_b` (accepted over tested draft tokens; nan for a row that tested none)."""
+        return [a / r if r else float("nan") for a, r in zip(self.row_accepted, self.row_reached)]
 
     @property
     def tokens_per_verification(self) -> float:
@@ -100,19 +131,33 @@ class SpeculativeStats:
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
             "prefill_time_s": self.prefill_time_s,
+            "decode_time_s": self.decode_time_s,
+            "row_tokens": list(self.row_tokens),
+            "verifications_by_row": list(self.row_verifications_by_row),
+            "row_accepted": list(self.row_accepted),
+            "row_reached": list(self.row_reached),
+            "row_acceptance": self.row_acceptance,
         }
 
     def _record(self, accept_length: list[int], gamma: int, active: list[bool]) -> None:
         if len(self.reached) < gamma:
             self.reached += [0] * (gamma - len(self.reached))
             self.accepted += [0] * (gamma - len(self.accepted))
+        if len(self.row_accepted) < len(active):
+            grow = [0] * (len(active) - len(self.row_accepted))
+            self.row_accepted += grow
+            self.row_reached += grow
+            self.row_verifications_by_row += grow
         self.verifications += 1
         self.draft_forwards += gamma
-        for k, live in zip(accept_length, active):
+        for b, (k, live) in enumerate(zip(accept_length, active)):
             if not live:
                 continue
             self.row_verifications += 1
+            self.row_verifications_by_row[b] += 1
             self.accepted_tokens += k
+            self.row_accepted[b] += k
+            self.row_reached[b] += min(k + 1, gamma)
             for i in range(min(k + 1, gamma)):
                 self.reached[i] += 1
             for i in range(k):
@@ -141,12 +186,12 @@ class _Timer:
         self.stats, self.name, self.device = stats, name, device
 
     def __enter__(self) -> None:
-        if self.stats is not None:
+        if self.stats is not None and self.stats.phase_timing:
             _sync(self.device)
             self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        if self.stats is not None:
+        if self.stats is not None and self.stats.phase_timing:
             _sync(self.device)
             setattr(self.stats, self.name, getattr(self.stats, self.name) + time.perf_counter() - self.t0)
 
@@ -301,11 +346,16 @@ def accept_block(
     return speculative_accept(draft_probs, target_probs, draft_tokens, uniforms)
 
 
-def commit_block(cache: Any, mask: torch.Tensor, start: int, accept_length: torch.Tensor, max_accept: int):
+def commit_block(
+    cache: Any, mask: torch.Tensor, start: int, accept_length: torch.Tensor, max_accept: int, block: int | None = None
+):
     """Keep the verified block's positions `[start, start + 1 + max_accept)`; for row `b` the ones beyond its
     `1 + k_b` become holes. Returns the new `attention_mask` `[B, start + 1 + max_accept]` (a static cache: the
-    holes are written into its device-side key validity, and `mask` is returned as it is)."""
-    cache.rollback(start + 1 + max_accept)
+    holes are written into its device-side key validity, and `mask` is returned as it is). `block`: positions the
+    verification wrote (`gamma + 1`); when the longest row accepted every draft there is nothing to cut and the
+    cache is left as it is (every cell already holds `start + block`; a static cache's device lengths too)."""
+    if block is None or 1 + max_accept < block:
+        cache.rollback(start + 1 + max_accept)
     kept = torch.arange(1 + max_accept, device=accept_length.device)[None] <= accept_length[:, None]
     if getattr(cache, "static", False):
         cache.write_key_valid(start, kept)
@@ -383,7 +433,8 @@ def _speculative_decode(
     with _Timer(speculative_stats, "prefill_time_s", device):
         logits = step.forward(input_ids, mask, draft=False, keep=1)[:, -1]
         last, _ = _choose(_process(logits_processor, rows, logits, None), do_sample, generator)
-    _emit(rows, [[t] for t in last.tolist()], rules, streamer)
+    _emit(rows, [[t] for t in last.tolist()], rules, streamer)  # a host read: the prefill has run
+    decode_start = time.perf_counter()
 
     while not all(rows.finished):
         start = cache.get_seq_length()
@@ -401,14 +452,19 @@ def _speculative_decode(
             host = torch.cat([accept_length[:, None], draft_tokens, next_token[:, None]], dim=1).tolist()  # one sync
             accepted = [r[0] for r in host]
             max_accept = max(k for k, f in zip(accepted, rows.finished) if not f)
-            accept_length = accept_length.clamp(max=max_accept)  # finished rows keep no more than the others
-            mask = commit_block(cache, mask, start, accept_length, max_accept)
+            if any(rows.finished):  # finished rows keep no more than the others
+                accept_length = accept_length.clamp(max=max_accept)
+            mask = commit_block(cache, mask, start, accept_length, max_accept, block=gamma + 1)
             last = next_token
         if speculative_stats is not None:
             speculative_stats._record(accepted, gamma, [not f for f in rows.finished])
         emitted = [r[1 : 1 + r[0]] + [r[-1]] for r in host]
         _emit(rows, emitted, rules, streamer)
 
+    if speculative_stats is not None:
+        _sync(device)  # the last commit's writes
+        speculative_stats.decode_time_s += time.perf_counter() - decode_start
+        speculative_stats.row_tokens = [len(g) for g in rows.generated]
     if streamer is not None:
         streamer.end()
     longest = max(len(g) for g in rows.generated)

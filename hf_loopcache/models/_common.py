@@ -14,7 +14,7 @@ from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProc
 
 from hf_loopcache._compat import CACHE_KWARG, generate_cache, generate_cache_kwargs
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
-from triton_ops import fused
+from triton_ops import fused, gemv
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -32,6 +32,7 @@ __all__ = [
     "by_token_chunks",
     "check_num_loops",
     "default_cache",
+    "linear",
     "rope_span",
     "stacked_linear",
     "stacked_projection",
@@ -220,7 +221,7 @@ def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor
                 lin.weight.data = part
         cached = (buffer, [lin.weight.data_ptr() for lin in linears])
         owner.__dict__.setdefault("_stacked_weights", {})[names] = cached
-    return torch.nn.functional.linear(x, cached[0])
+    return gemv.linear(x, cached[0])
 
 
 def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -236,6 +237,22 @@ def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) ->
     if y is None:
         return tuple(getattr(owner, name)(x) for name in names)
     return y.split([getattr(owner, name).out_features for name in names], dim=-1)
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a projection of the models: a plain `nn.Linear` without hooks goes through
+    `triton_ops.gemv.linear` (the skinny-GEMM kernel for decode-sized CUDA inputs when `GEMV_TUNING["enabled"]`,
+    `F.linear` otherwise); anything else (hooks, accelerate's wrapped forwards, quantized or other subclasses) is
+    called as it is."""
+    if (
+        type(module) is not nn.Linear
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in module.__dict__
+        or torch.compiler.is_compiling()
+    ):
+        return module(x)
+    return gemv.linear(x, module.weight, module.bias)
 
 
 def check_num_loops(value: Any, name: str) -> int:

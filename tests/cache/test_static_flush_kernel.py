@@ -70,7 +70,8 @@ def _decode(monkeypatch, name, fused, replayed=False):
 
 def _assert_same(got, want):
     (out, state, ran), (ref_out, ref_state, ref_ran) = got, want
-    assert set(ran) == {"fused"} and set(ref_ran) == {"reference"} and len(ran) == len(ref_ran) > 0
+    # (a complete forward flushes its cells in one launch: one fused call against one reference call per cell)
+    assert set(ran) == {"fused"} and set(ref_ran) == {"reference"} and len(ref_ran) >= len(ran) > 0
     assert torch.equal(out.sequences, ref_out.sequences)
     for a, b in zip(out.logits, ref_out.logits):
         assert torch.equal(a, b)

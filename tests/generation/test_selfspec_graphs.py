@@ -334,3 +334,78 @@ def test_batched_self_speculation_over_static_coded_cells_on_trained_fixtures_fp
     captured = self_speculative_generate(model, ids, attention_mask=mask, cache=cache, **options)
     assert cache._graphs and _holes(cache)
     assert torch.equal(captured, growable)
+
+
+class _CountHostReads(TorchDispatchMode):
+    """Counts the ops that read a device value on the host (as `_NoHostSync` names them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _NoHostSync.SYNCS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_the_decoder_reads_the_device_once_per_verification(monkeypatch, arch):
+    """Over a static cache with captured drafts and verifications (batch 3, forced acceptance, rows accepting
+    different lengths), the decoding loop reads device values on the host once per verification (the accepted
+    lengths and tokens in one `.tolist()`): the difference between a longer and a shorter run is one read per extra
+    verification. A `SpeculativeStats(phase_timing=False)` adds one device sync per call (after the loop), none per
+    block; with phase timing every phase syncs."""
+    import importlib
+
+    from hf_loopcache import SpeculativeStats
+
+    strategy = importlib.import_module("hf_loopcache.generation.self_speculative")  # the module, not the function
+
+    stand_in_graphs(monkeypatch)
+    model = make_model(arch).float()
+    model.generation_config.eos_token_id = None
+    ids, mask = _batch()
+    cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=120)
+    reads = {"n": 0}
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        reads["n"] += 1
+        return tolist(self)
+
+    def run(new, stats=None):
+        cache.reset()
+        gen = torch.Generator().manual_seed(0)
+        return _spec(model, arch, cache, ids, mask, new=new, forced_acceptance=0.6, generator=gen,
+                     speculative_stats=stats)
+
+    run(24)  # records every step
+    counts = {}
+    for new in (8, 24):
+        stats = SpeculativeStats()
+        run(new, stats)
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+        reads["n"] = 0
+        with _CountHostReads() as mode:
+            run(new)
+        monkeypatch.undo()
+        stand_in_graphs(monkeypatch)
+        counts[new] = (stats.verifications, reads["n"] + mode.reads)
+    (v_short, r_short), (v_long, r_long) = counts[8], counts[24]
+    assert v_long > v_short + 3
+    assert r_long - r_short == v_long - v_short
+
+    syncs = {"n": 0}
+    monkeypatch.setattr(strategy, "_sync", lambda device: syncs.__setitem__("n", syncs["n"] + 1))
+    stats = SpeculativeStats(phase_timing=False)
+    run(24, stats)
+    assert syncs["n"] == 1 and stats.decode_time_s > 0 and stats.prefill_time_s == 0.0
+    assert stats.row_tokens == [24, 24, 24]
+    assert sum(stats.row_accepted) == stats.accepted_tokens and sum(stats.row_reached) == sum(stats.reached)
+    assert len(set(stats.row_accepted)) > 1  # the rows accepted different lengths
+    syncs["n"] = 0
+    run(24, SpeculativeStats())
+    assert syncs["n"] == 1 + 2 + 4 * stats.verifications  # prefill, drafts and verifications, and the end

@@ -280,6 +280,30 @@ def test_dense_settings_match_reference(case, setting):
     _check(case, torch.float32, tuning={"dense": DENSE_SETTINGS[setting]})
 
 
+TAIL_CASES = [
+    Case(hist=64, Wn=70, S=4, Q=1, Hq=2, Hkv=2, lean=0.3),  # one row per KV head (INT4 + V precision)
+    Case(hist=64, Wn=45, S=4, Q=5, Hq=4, Hkv=2, pad=True, B=2, splits=2),  # a verification block, moving bounds
+    Case(hist=40, Wn=40, S=0, fmt=2, Hq=2, Hkv=1, splits=1),
+    Case(hist=70, Wn=66, fmt=0, Q=3, splits=2, pad=True, B=2),  # dense history (RIPE's borrowed plane)
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in TAIL_CASES])
+@pytest.mark.parametrize("chunk", [5, 32], ids=["chunk5", "chunk32"])
+def test_split_tail_matches_reference(case, chunk):
+    """The window spread over several tail programs (`tuning["tail_chunk"]` slots each; the sink and the new tokens in
+    the first): chunks that end inside a loop step (5) and on one (32), a window cut across a query's history bound,
+    padding; the partials merge to the reference."""
+    from triton_ops.coded_attention import ops
+
+    nt = -(-(case.Wn + (case.Q - 1 if case.moving else 0)) // chunk)
+    assert nt >= 2  # the case really splits its window
+    _check(case, torch.float32, tuning={"tail_chunk": chunk})
+    with pytest.raises(ValueError, match=r"tuning\['tail_chunk'\]"):
+        _run_kernel(_build(case, torch.float32), tuning={"tail_chunk": -1})
+    assert ops.TAIL_BLOCK == 32
+
+
 VPREC_SETTINGS = {
     "v5-pipe": {"vprec": "pipe"},
     "v5-pipe-np2": {"vprec": "pipe", "pages": 2},

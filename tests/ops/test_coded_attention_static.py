@@ -127,9 +127,11 @@ def test_device_lengths_view_errors():
 
 @needs_kernel
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CASES])
-def test_kernel_with_device_lengths_matches_reference(case):
+@pytest.mark.parametrize("tail", [None, 3], ids=["tail-auto", "tail3"])
+def test_kernel_with_device_lengths_matches_reference(case, tail):
     """The kernel reads the static view (length from the device, ring window, every page in the grid) as the
-    reference does, fp32, on the same codes; V-precision counts equal."""
+    reference does, fp32, on the same codes; V-precision counts equal. `tail3`: the ring spread over tail programs
+    of 3 slots each (slot ranges cut across the ring's wrap)."""
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     data = _build(case, torch.float32)
@@ -138,7 +140,7 @@ def test_kernel_with_device_lengths_matches_reference(case):
     stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     out, lse = _coded_attention_fwd(
         data["q"].to(DEVICE), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats,
-        num_splits=3 if case.fmt else None,
+        num_splits=3 if case.fmt else None, tuning={"tail_chunk": tail},
     )  # fmt: skip
     ref, ref_lse, ref_stats = _ref(data, _static_view(data, torch.float64), torch.float64)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=1e-5)

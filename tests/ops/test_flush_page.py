@@ -191,6 +191,96 @@ def test_flush_page_kernel_bit_exact(case, nbits, dtype):
     _assert_same_store(_to(got, "cpu"), want, case.N)
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
+def test_flush_page_kernel_with_coded_slots_bit_exact(case, nbits):
+    """With `coded` slots (some holding their page already, some not, one more row than written): the kernel writes
+    the same bytes as the reference and leaves the same slots; a (row, head, plane) whose slot held the page keeps the
+    page's old bytes."""
+    from triton_ops.quant.ops import _flush_page_fwd
+
+    ring_k, ring_v, geo = _inputs(case, nbits, torch.float32)
+    store = _store(case, nbits, 3)
+    g = torch.Generator().manual_seed(5)
+    pages = geo["page"].reshape(-1)  # [K]
+    held = torch.rand(case.B + 1, case.H, 2, case.K, generator=g) < 0.5
+    coded = torch.full((case.B + 1, case.H, 2, case.K), -1, dtype=torch.int32)
+    coded[..., pages % case.K] = torch.where(held, pages.to(torch.int32), -1)
+    ref, ref_coded = _to(store, "cpu"), coded.clone()
+    naive.flush_page(ring_k, ring_v, *ref, **geo, coded=ref_coded)
+    got, got_coded = _to(store, DEVICE), coded.to(DEVICE)
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in geo.items()}
+    _flush_page_fwd(ring_k.to(DEVICE), ring_v.to(DEVICE), *got, dev["slots"], dev["page"], dev["due"], dev["start"],
+                    dev["floor"], dev["scratch_page"], dev["valid"], got_coded)  # fmt: skip
+    _assert_same_store(_to(got, "cpu"), ref, case.N)
+    assert torch.equal(got_coded.cpu(), ref_coded)
+    written = geo["due"] & (geo["start"] >= geo["floor"])  # [K]
+    holds = ref_coded[: case.B][..., pages % case.K] == pages.to(torch.int32)  # [B, H, 2, K], page k's slot
+    assert torch.equal(holds, written | held[: case.B])
+    assert torch.equal(ref_coded[case.B :], coded[case.B :])
+    if written[0]:  # a (row, head, plane) whose slot held the page: its old key bytes stay
+        t0 = case.page * case.P
+        for b in range(case.B):
+            for h in range(case.H):
+                if held[b, h, 0, 0]:
+                    assert torch.equal(ref[0].codes[b, h, t0 : t0 + case.P], store[0].codes[b, h, t0 : t0 + case.P])
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
+def test_flush_page_table_one_launch_equals_one_call_per_cell(case, nbits, monkeypatch):
+    """`flush_page_table` over three cells (their own rings, storage, floors and slots) launches the kernel once and
+    writes the bytes and slots of one reference `flush_page` per cell."""
+    from triton_ops.quant import ops
+    from triton_ops.quant.ops import FlushTable, flush_page_table
+
+    geo = _inputs(case, nbits, torch.float32)[2]
+    cells, refs = [], []
+    for i in range(3):
+        ring_k, ring_v, _ = _inputs(dataclasses.replace(case), nbits, torch.float32)
+        ring_k, ring_v = ring_k + i, ring_v * (i + 1)
+        store = _store(case, nbits, 3 + i)
+        coded = torch.full((case.B + 1, case.H, 2, case.K), -1, dtype=torch.int32)
+        coded[: case.B, :, i % 2] = geo["page"].reshape(-1)[0].to(torch.int32) if i else -1  # some slots hold a page
+        floor = torch.tensor(case.floor + (case.P if i == 2 else 0))  # the third cell's ring holds less
+        ref, ref_coded = _to(store, "cpu"), coded.clone()
+        naive.flush_page(ring_k, ring_v, *ref, **{**geo, "floor": floor}, coded=ref_coded)
+        refs.append((ref, ref_coded))
+        cells.append((ring_k.to(DEVICE), ring_v.to(DEVICE), *_to(store, DEVICE), floor.to(DEVICE), coded.to(DEVICE)))
+    launches = []
+    kernel = ops._flush_page_fwd
+    monkeypatch.setattr(ops, "_flush_page_fwd", lambda *a: launches.append(1) or kernel(*a))
+    monkeypatch.setattr(ops, "use_triton", lambda op, *t: True)
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in geo.items()}
+    table = FlushTable(cells, scratch_page=case.N)
+    flush_page_table(table, slots=dev["slots"], page=dev["page"], due=dev["due"], start=dev["start"],
+                     valid=dev["valid"])  # fmt: skip
+    assert launches == [1]
+    for cell, (ref, ref_coded) in zip(cells, refs):
+        _assert_same_store(_to((cell[2], cell[3]), "cpu"), ref, case.N)
+        assert torch.equal(cell[5].cpu(), ref_coded)
+
+
+def test_flush_table_errors_name_the_argument():
+    from triton_ops.quant.ops import FlushTable
+
+    case = Case()
+    ring_k, ring_v, _ = _inputs(case, 4, torch.float32)
+    keys, values = _store(case, 4, 3)
+    floor = torch.tensor(case.floor)
+    with pytest.raises(ValueError, match="`cells` must hold at least one"):
+        FlushTable([], scratch_page=case.N)
+    with pytest.raises(ValueError, match="cell 1 of `cells` must have the first cell's shapes"):
+        FlushTable([(ring_k, ring_v, keys, values, floor, None), (ring_k[:1], ring_v[:1], keys, values, floor, None)],
+                   scratch_page=case.N)  # fmt: skip
+    coded = torch.full((case.B, case.H, 2, case.K), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="`coded` must be given for every cell or for none"):
+        FlushTable([(ring_k, ring_v, keys, values, floor, coded), (ring_k, ring_v, keys, values, floor, None)],
+                   scratch_page=case.N)  # fmt: skip
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch to Triton needs CUDA")
 def test_flush_page_dispatches_to_the_kernel_on_cuda(monkeypatch):
     from triton_ops.quant import ops
@@ -235,11 +325,12 @@ def test_flush_page_errors_name_the_argument():
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("coded", [False, True], ids=["every-due-page", "coded-slots-table"])
 @pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
-def test_flush_kernel_compiles_for_sm90(nbits):
+def test_flush_kernel_compiles_for_sm90(nbits, coded):
     """The interpreter runs Python, not Triton's compiler (which, e.g., needs one type per name across a branch):
     compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels, pages and groups of
-    32, a validity mask), with no GPU."""
+    32, a validity mask, with and without the `coded` slots and the cell table), with no GPU."""
     triton = pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
     from triton.backends.compiler import GPUTarget
@@ -248,10 +339,41 @@ def test_flush_kernel_compiles_for_sm90(nbits):
     from triton_ops.quant.kernels import _flush_page_fwd_kernel as fn
 
     consts = dict(D=128, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=16 * nbits, BLOCK_NG=4, BLOCK_K=8,
-                  USE_VALID=True)  # fmt: skip
+                  USE_VALID=True, USE_CODED=coded, TABLE=coded)  # fmt: skip
     ptr = dict(k_ptr="bf16", v_ptr="bf16", slots_ptr="i64", valid_ptr="i1", due_ptr="i1", start_ptr="i64",
                floor_ptr="i64", page_ptr="i64", codes_ptr="u8", kscale_ptr="fp16", kzero_ptr="fp16", hi_ptr="u8",
-               lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16")  # fmt: skip
+               lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16", coded_ptr="i32", table_ptr="i64")  # fmt: skip
+    sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as err:  # no ptxas in this Triton build
+        if "ptxas" in str(err).lower():
+            pytest.skip(str(err).splitlines()[0])
+        raise
+    assert kernel.asm.get("cubin")
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("kind", ["keys", "keys-valid", "values"])
+@pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
+def test_quantize_kernels_compile_for_sm90(kind, nbits):
+    """The page quantizers (which share their group-code helpers with the static flush) compile for sm_90 as a
+    prefill launches them (bf16, Ouro's 128 channels, pages and groups of 32), with no GPU."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_ops.quant import kernels
+
+    if kind.startswith("keys"):
+        fn = kernels._quantize_keys_fwd_kernel
+        consts = dict(D=128, NBITS=nbits, GROUP=32, BLOCK_G=32, BLOCK_C=16 * nbits, USE_VALID=kind == "keys-valid")
+        ptr = dict(x_ptr="bf16", valid_ptr="i1", codes_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
+    else:
+        fn = kernels._quantize_values_fwd_kernel
+        consts = dict(D=128, NBITS=nbits, GROUP=32, BLOCK_T=16, BLOCK_NG=4, BLOCK_K=8)
+        ptr = dict(x_ptr="bf16", hi_ptr="u8", lo_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
     sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     try:
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))

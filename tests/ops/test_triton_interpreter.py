@@ -19,6 +19,7 @@ MODULES = [
     "tests/ops/test_coded_attention_static.py",
     "tests/ops/test_fused_kernels.py",
     "tests/ops/test_flush_page.py",
+    "tests/ops/test_gemv_kernels.py",
     "tests/cache/test_static_flush_kernel.py",
 ]
 

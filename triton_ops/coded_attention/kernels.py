@@ -2,8 +2,9 @@
 README.md).
 
 Split-history (flash-decoding) attention of `Q` new tokens over one cell's stored view. The grid is
-`(NS + 1, B * H_kv, row blocks)`: programs `0 .. NS-1` each read a contiguous range of history pages straight from
-the stored codes (INT4 / INT2) or BF16 tensors; program `NS` reads the dense tail (sink, window, new tokens). Rows
+`(NS + NT, B * H_kv, row blocks)`: programs `0 .. NS-1` each read a contiguous range of history pages straight from
+the stored codes (INT4 / INT2) or BF16 tensors; programs `NS .. NS+NT-1` read the dense tail (sink, window, new
+tokens), the window split into `NT` ranges of slots (`NT = 1` unless the window is longer than a split). Rows
 are the `G * Q` queries that share one KV head (GQA: K/V are read once per row block). Each program writes a partial
 `(o, lse)`; `_coded_attention_merge_kernel` combines them by log-sum-exp. Scores are kept in log2 units
 (`qk * scale * log2(e)`), so the V-precision margin `tau * ln 2` becomes `tau`. When a KV head has one query row
@@ -949,6 +950,8 @@ def _attend_dense(
     stride_kt,
     stride_vt,
     length,
+    t_lo,
+    t_hi,
     pos0,
     b_lo,
     b_hi,
@@ -965,14 +968,15 @@ def _attend_dense(
     RING: tl.constexpr = False,
     DH: tl.constexpr = None,
 ):
-    """Online softmax over a dense segment of `length` positions `pos0 ..`; row r sees `b_lo[r] <= pos < b_hi[r]`
-    (and, with padding, valid positions or its own). `MAX_ONLY`: only the running max `b_m` (V-precision seed).
-    `RING`: the segment is a ring of `length` slots holding the positions below `pos0` (slot `c` holds
-    `pos0 - 1 - ((pos0 - 1 - c) mod length)`; slots of negative positions are not read)."""
+    """Online softmax over slots `[t_lo, min(t_hi, length))` of a dense segment of `length` positions `pos0 ..`; row
+    r sees `b_lo[r] <= pos < b_hi[r]` (and, with padding, valid positions or its own). `MAX_ONLY`: only the running
+    max `b_m` (V-precision seed). `RING`: the segment is a ring of `length` slots holding the positions below `pos0`
+    (slot `c` holds `pos0 - 1 - ((pos0 - 1 - c) mod length)`; slots of negative positions are not read)."""
     o_d = tl.arange(0, D)
-    for t0 in range(0, length, BLOCK_T):
+    t_end = tl.minimum(t_hi, length)
+    for t0 in range(t_lo, t_end, BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
-        m_t = o_t < length
+        m_t = o_t < t_end
         if RING:
             o_pos = pos0 - 1 - ((pos0 - 1 - o_t + length) % length)
             m_t = m_t & (o_pos >= 0)
@@ -994,7 +998,9 @@ def _attend_dense(
     return b_m, b_l, b_acc
 
 
-@triton.jit(do_not_specialize=["S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q"])
+@triton.jit(
+    do_not_specialize=["S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q", "tail_chunk"]
+)
 def _coded_attention_fwd_kernel(
     q_ptr,
     o_ptr,
@@ -1068,6 +1074,7 @@ def _coded_attention_fwd_kernel(
     n_pages,
     pages_per_split,
     NS,
+    tail_chunk,  # window slots per tail program (programs NS .. NS + NT - 1)
     qk_scale,
     margin,
     D: tl.constexpr,
@@ -1112,25 +1119,32 @@ def _coded_attention_fwd_kernel(
     b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
     b_zero = tl.zeros([BLOCK_R], dtype=tl.int32)
-    if i_s == NS:
-        # the dense tail: sink (padding only), window (positions >= bound), new tokens (causal)
-        b_m, b_l, b_acc = _attend_dense(
-            b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
-            sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
-            b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
-            IEEE, False,
-         DH=DH,)  # fmt: skip
+    if i_s >= NS:
+        # the dense tail, over programs NS .. NS + NT - 1: program NS + j reads window slots
+        # [j * tail_chunk, (j + 1) * tail_chunk) (positions >= bound), and j = 0 also the sink (padding only) and the
+        # new tokens (causal); a window longer than a history split is spread so that it does not set the pace
+        j = i_s - NS
+        w_lo = j * tail_chunk
+        if j == 0:
+            b_m, b_l, b_acc = _attend_dense(
+                b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
+                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, S, 0, b_zero,
+                b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T,
+                USE_VALID, IEEE, False,
+             DH=DH,)  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
-            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W,
+            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_lo, w_lo + tail_chunk,
             n_start if DEV_LEN else w_start, b_bound, b_zero + (n_start if DEV_LEN else w_start + W), b_own, m_row,
             p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False, DEV_LEN,
          DH=DH,)  # fmt: skip
-        b_m, b_l, b_acc = _attend_dense(
-            b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,
-            nv_ptr + i_b * stride_nvb + i_hk * stride_nvh, stride_nkt, stride_nvt, Q, n_start, b_zero + n_start,
-            b_own + 1, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False,
-         DH=DH,)  # fmt: skip
+        if j == 0:
+            b_m, b_l, b_acc = _attend_dense(
+                b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,
+                nv_ptr + i_b * stride_nvb + i_hk * stride_nvh, stride_nkt, stride_nvt, Q, 0, Q, n_start,
+                b_zero + n_start, b_own + 1, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
+                IEEE, False,
+             DH=DH,)  # fmt: skip
         _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
     else:
         p_begin = i_s * pages_per_split
@@ -1145,7 +1159,7 @@ def _coded_attention_fwd_kernel(
             # running max seed: the sink maximum, then the page maxima of the earlier splits
             b_run, b_unused, b_acc = _attend_dense(
                 b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
-                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, b_zero,
+                sv_ptr + i_b * stride_svb + i_hk * stride_svh, stride_skt, stride_svt, S, 0, S, 0, b_zero,
                 b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
                 IEEE, True,
              DH=DH,)  # fmt: skip

@@ -61,6 +61,12 @@ token's score (fp32) with the page maxima and the value pass reads those scores 
 loop without key work); from `vprec_fill` row blocks per SM on, or with a single split, it runs `pipe`. Every mode
 gives the reference's cold set and output."""
 
+TAIL_BLOCK = 32
+"""Positions per loop step of the dense tail (sink, window, new tokens)."""
+
+TAIL_MIN = 64
+"""Fewest window slots a tail program reads when the launcher spreads the window (`tuning["tail_chunk"]` overrides)."""
+
 DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 """Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
 deepest plane): history positions per loop step (a power of two >= 16), warps per program, software-pipelining depth,
@@ -88,8 +94,9 @@ def _coded_attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Launch the split-history kernel (after the page-maxima pass when V precision needs it across splits) and the
     merge; returns `(out [B, H_q, Q, D], lse [B, H_q, Q] fp32)`. `num_splits` forces the number of history splits
-    (tests); by default it follows the device's SM count. `tuning` overrides `ROW1_TUNING` (benchmarks). No host sync,
-    no copy of any view tensor."""
+    (tests); by default it follows the device's SM count. `tuning` overrides `ROW1_TUNING` (benchmarks), and
+    `tuning["tail_chunk"]` the window slots per tail program (by default about a history split's positions). No host
+    sync, no copy of any view tensor."""
     from triton_ops.coded_attention.kernels import _coded_attention_fwd_kernel, _coded_attention_merge_kernel
 
     b, hq, q_len, d = query.shape
@@ -166,11 +173,19 @@ def _coded_attention_fwd(
     if vpipe and vmode == "scores" and not read_prefix:
         vpipe = False  # one split per row block: v4's loop (H200, 8K x 64: 969 us against the pipelined 1,068)
     scores = read_prefix and vpipe and vmode == "scores"  # v5: the first pass also writes every token's score
+    # the window's slots per tail program: half a split's positions, at least `TAIL_MIN`, so that a long window
+    # (LoopKV's 256 + a ring page) is not the one program every other one waits for when the history is split finely
+    # (H200, INT4 at 8K, the ring of 319 slots: batch 1 42.9 us in one tail program, 33.9 over a split's positions
+    # (3 programs), 30.4 over 64-slot ones; batch 2 50.4 / 45.5; batch >= 8 one program either way)
+    tail = tune.get("tail_chunk") or max(TAIL_MIN, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
+    if not isinstance(tail, int) or tail < 1:
+        raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail!r}")
+    nt = max(1, -(-w_len // tail))
     bound = view.history_end
     key_valid = view.key_valid
     dp = next_pow2(d)  # the kernels' tile width: a head dim that is no power of two is read zero-padded (dense only)
-    o_part = torch.empty(ns + 1, b * hkv, rows, dp, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(ns + 1, b * hkv, rows, dtype=torch.float32, device=dev)
+    o_part = torch.empty(ns + nt, b * hkv, rows, dp, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(ns + nt, b * hkv, rows, dtype=torch.float32, device=dev)
     pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
     sc = torch.empty(b * hkv, n_pages * page, dtype=torch.float32, device=dev) if scores else lse_part
     valid = key_valid if key_valid is not None else bound
@@ -228,6 +243,7 @@ def _coded_attention_fwd(
             n_pages=n_pages,
             pages_per_split=max(pps, 1),
             NS=ns,
+            tail_chunk=tail,
             qk_scale=scaling * _LOG2E,
             margin=(v_precision_tau or 0.0),  # tau * ln 2 in natural units is tau in log2 units
             D=dp,
@@ -236,7 +252,7 @@ def _coded_attention_fwd(
             VGROUP=vgroup,
             KV_FMT=fmt,
             BLOCK_R=block_r,
-            BLOCK_T=32,
+            BLOCK_T=TAIL_BLOCK,
             BLOCK_PM=64,
             USE_VALID=key_valid is not None,
             USE_VPREC=use_vprec,
@@ -261,7 +277,7 @@ def _coded_attention_fwd(
         launch = {}
     if read_prefix:
         _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True), **launch)
-    _coded_attention_fwd_kernel[(ns + 1, b * hkv, n_rblocks)](**args(False), **launch)
+    _coded_attention_fwd_kernel[(ns + nt, b * hkv, n_rblocks)](**args(False), **launch)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     block_d = min(dp, 32)
@@ -278,11 +294,11 @@ def _coded_attention_fwd(
         H_KV=hkv,
         G=groups,
         Q=q_len,
-        NS=ns,
+        NS=ns + nt - 1,  # partials, less one
         n_bh_rows=b * hkv * rows,
         D=dp,
         DH=d,
-        BLOCK_S=min(128, next_pow2(ns + 1)),
+        BLOCK_S=min(128, next_pow2(ns + nt)),
         BLOCK_D=block_d,
     )
     if count:

@@ -19,9 +19,10 @@ from triton_ops.quant.naive import (
     pack_codes,
     unpack_codes,
 )
-from triton_ops.quant.ops import flush_page, quantize_keys, quantize_values
+from triton_ops.quant.ops import FlushTable, flush_page, flush_page_table, quantize_keys, quantize_values
 
 __all__ = [
+    "FlushTable",
     "SUPPORTED_NBITS",
     "QuantizedKeys",
     "QuantizedValues",
@@ -31,6 +32,7 @@ __all__ = [
     "fake_quantize_keys",
     "fake_quantize_values",
     "flush_page",
+    "flush_page_table",
     "kivi_bytes_per_token",
     "pack_codes",
     "quantize_keys",

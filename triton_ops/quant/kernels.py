@@ -66,6 +66,46 @@ def _key_group_codes(
     return b_packed
 
 
+@triton.jit
+def _value_group_codes(
+    p_x, stride_xd, m_x, m_s, o_col, p_scale, p_zero, o_s, p_hi, p_lo, o_c,
+    NBITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Per-token affine codes of value groups (rows `p_x` `[BR, 1, 1]`, a group is `GROUP` consecutive channels of one
+    row held as a `[BR, NG, GROUP // 4]` tile per 2-bit lane j: channel `4 * o_col + j`): each group's min and max over
+    its channels (`m_x`; 0 / 0 for the rows and groups outside `m_s`), its scale and zero stored at `p_scale` /
+    `p_zero` plus `o_s`, the codes packed four channels a byte into `hi` (INT4: the high bits, the low bits into `lo`)
+    at `p_hi` / `p_lo` plus `o_c`. Shared by the token quantizer and the static flush, so both code a page the same
+    way."""
+    QMAX: tl.constexpr = 2**NBITS - 1
+    b_mn = tl.full([BLOCK_R, BLOCK_NG], float("inf"), dtype=tl.float32)
+    b_mx = tl.full([BLOCK_R, BLOCK_NG], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(4):
+        b_x = tl.load(p_x + (o_col * 4 + j) * stride_xd, mask=m_x, other=0.0).to(tl.float32)  # [BR, NG, K]
+        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_x, b_x, float("inf")), axis=2))
+        b_mx = tl.maximum(b_mx, tl.max(tl.where(m_x, b_x, float("-inf")), axis=2))
+    b_mn = tl.where(m_s, b_mn, 0.0)
+    b_mx = tl.where(m_s, b_mx, 0.0)
+    b_s, b_z = _affine_params(b_mn, b_mx, QMAX)  # [BR, NG]
+    tl.store(p_scale + o_s, b_s, mask=m_s)
+    tl.store(p_zero + o_s, b_z, mask=m_s)
+    b_s32 = b_s.to(tl.float32)[:, :, None]
+    b_z32 = b_z.to(tl.float32)[:, :, None]
+    b_hi = tl.zeros([BLOCK_R, BLOCK_NG, BLOCK_K], dtype=tl.int32)
+    b_lo = tl.zeros([BLOCK_R, BLOCK_NG, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(4):
+        b_x = tl.load(p_x + (o_col * 4 + j) * stride_xd, mask=m_x, other=0.0).to(tl.float32)
+        b_q = _encode(b_x, b_s32, b_z32, QMAX)
+        if NBITS == 4:
+            b_hi = b_hi | ((b_q >> 2) << (2 * j))
+            b_lo = b_lo | ((b_q & 3) << (2 * j))
+        else:
+            b_hi = b_hi | (b_q << (2 * j))
+    tl.store(p_hi + o_c, b_hi.to(tl.uint8), mask=m_x)
+    if NBITS == 4:
+        tl.store(p_lo + o_c, b_lo.to(tl.uint8), mask=m_x)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _quantize_keys_fwd_kernel(
     x_ptr,
@@ -148,42 +188,17 @@ def _quantize_values_fwd_kernel(
     # [BT, NG, GROUP // 4] tile per 2-bit lane j (channel g * GROUP + 4 * k + j, packed column g * GROUP // 4 + k)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    QMAX: tl.constexpr = 2**NBITS - 1
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_g = tl.arange(0, BLOCK_NG)
     o_k = tl.arange(0, BLOCK_K)
     m_x = (o_t < T)[:, None, None] & (o_g < D // GROUP)[None, :, None] & (o_k < GROUP // 4)[None, None, :]
     o_col = o_g[None, :, None] * (GROUP // 4) + o_k[None, None, :]  # [1, NG, K] packed column
     p_x = x_ptr + i_b * stride_xb + i_h * stride_xh + o_t[:, None, None] * stride_xt
-    b_mn = tl.full([BLOCK_T, BLOCK_NG], float("inf"), dtype=tl.float32)
-    b_mx = tl.full([BLOCK_T, BLOCK_NG], float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(4):
-        b_x = tl.load(p_x + (o_col * 4 + j) * stride_xd, mask=m_x, other=0.0).to(tl.float32)  # [BT, NG, K]
-        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_x, b_x, float("inf")), axis=2))
-        b_mx = tl.maximum(b_mx, tl.max(tl.where(m_x, b_x, float("-inf")), axis=2))
     m_s = (o_t < T)[:, None] & (o_g < D // GROUP)[None, :]
-    b_mn = tl.where(m_s, b_mn, 0.0)
-    b_mx = tl.where(m_s, b_mx, 0.0)
-    b_s, b_z = _affine_params(b_mn, b_mx, QMAX)  # [BT, NG]
     o_s = i_b * stride_sb + i_h * stride_sh + o_t[:, None] * stride_st + o_g[None, :]
-    tl.store(scale_ptr + o_s, b_s, mask=m_s)
-    tl.store(zero_ptr + o_s, b_z, mask=m_s)
-    b_s32 = b_s.to(tl.float32)[:, :, None]
-    b_z32 = b_z.to(tl.float32)[:, :, None]
-    b_hi = tl.zeros([BLOCK_T, BLOCK_NG, BLOCK_K], dtype=tl.int32)
-    b_lo = tl.zeros([BLOCK_T, BLOCK_NG, BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(4):
-        b_x = tl.load(p_x + (o_col * 4 + j) * stride_xd, mask=m_x, other=0.0).to(tl.float32)
-        b_q = _encode(b_x, b_s32, b_z32, QMAX)
-        if NBITS == 4:
-            b_hi = b_hi | ((b_q >> 2) << (2 * j))
-            b_lo = b_lo | ((b_q & 3) << (2 * j))
-        else:
-            b_hi = b_hi | (b_q << (2 * j))
     o_c = i_b * stride_cb + i_h * stride_ch + o_t[:, None, None] * stride_ct + o_col
-    tl.store(hi_ptr + o_c, b_hi.to(tl.uint8), mask=m_x)
-    if NBITS == 4:
-        tl.store(lo_ptr + o_c, b_lo.to(tl.uint8), mask=m_x)
+    _value_group_codes(p_x, stride_xd, m_x, m_s, o_col, scale_ptr, zero_ptr, o_s, hi_ptr, lo_ptr, o_c,
+                       NBITS, BLOCK_T, BLOCK_NG, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -224,43 +239,18 @@ def _flush_value_page(
 ):  # fmt: skip
     """The page's values of row (i_b, i_h): per position over groups of GROUP channels, as
     `_quantize_values_fwd_kernel` ([BP, NG, GROUP // 4] tiles per 2-bit lane j)."""
-    QMAX: tl.constexpr = 2**NBITS - 1
     o_g = tl.arange(0, BLOCK_NG)
     o_k = tl.arange(0, BLOCK_K)
     m_g = o_g < D // GROUP
     m_x = m_p[:, None, None] & m_g[None, :, None] & (o_k < GROUP // 4)[None, None, :]
     o_col = o_g[None, :, None] * (GROUP // 4) + o_k[None, None, :]  # [1, NG, K] packed column
     p_x = v_ptr + i_b * stride_vb + i_h * stride_vh + b_slot[:, None, None] * stride_vt
-    b_mn = tl.full([BLOCK_P, BLOCK_NG], float("inf"), dtype=tl.float32)
-    b_mx = tl.full([BLOCK_P, BLOCK_NG], float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(4):
-        b_x = tl.load(p_x + (o_col * 4 + j) * stride_vd, mask=m_x, other=0.0).to(tl.float32)  # [BP, NG, K]
-        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_x, b_x, float("inf")), axis=2))
-        b_mx = tl.maximum(b_mx, tl.max(tl.where(m_x, b_x, float("-inf")), axis=2))
     m_s = m_p[:, None] & m_g[None, :]
-    b_mn = tl.where(m_s, b_mn, 0.0)
-    b_mx = tl.where(m_s, b_mx, 0.0)
-    b_s, b_z = _affine_params(b_mn, b_mx, QMAX)  # [BP, NG]
     o_t = i_p * PAGE + o_p  # [BP] destination token rows
     o_s = i_b * stride_wb + i_h * stride_wh + o_t[:, None] * stride_wt + o_g[None, :]
-    tl.store(vscale_ptr + o_s, b_s, mask=m_s)
-    tl.store(vzero_ptr + o_s, b_z, mask=m_s)
-    b_s32 = b_s.to(tl.float32)[:, :, None]
-    b_z32 = b_z.to(tl.float32)[:, :, None]
-    b_hi = tl.zeros([BLOCK_P, BLOCK_NG, BLOCK_K], dtype=tl.int32)
-    b_lo = tl.zeros([BLOCK_P, BLOCK_NG, BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(4):
-        b_x = tl.load(p_x + (o_col * 4 + j) * stride_vd, mask=m_x, other=0.0).to(tl.float32)
-        b_q = _encode(b_x, b_s32, b_z32, QMAX)
-        if NBITS == 4:
-            b_hi = b_hi | ((b_q >> 2) << (2 * j))
-            b_lo = b_lo | ((b_q & 3) << (2 * j))
-        else:
-            b_hi = b_hi | (b_q << (2 * j))
     o_c = i_b * stride_hb + i_h * stride_hh + o_t[:, None, None] * stride_ht + o_col
-    tl.store(hi_ptr + o_c, b_hi.to(tl.uint8), mask=m_x)
-    if NBITS == 4:
-        tl.store(lo_ptr + o_c, b_lo.to(tl.uint8), mask=m_x)
+    _value_group_codes(p_x, stride_vd, m_x, m_s, o_col, vscale_ptr, vzero_ptr, o_s, hi_ptr, lo_ptr, o_c,
+                       NBITS, BLOCK_P, BLOCK_NG, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -269,6 +259,8 @@ def _flush_page_fwd_kernel(
     v_ptr,
     slots_ptr,
     valid_ptr,
+    coded_ptr,
+    table_ptr,
     due_ptr,
     start_ptr,
     floor_ptr,
@@ -312,17 +304,37 @@ def _flush_page_fwd_kernel(
     BLOCK_NG: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_VALID: tl.constexpr,
+    USE_CODED: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     # one program per (b * h, keys | values, page k of the K): when the device-side geometry says the page is due
     # and the ring still holds it, gather its PAGE positions from the ring slots, quantize them and write its page;
-    # otherwise exit at once (a page is due once every PAGE steps, so most steps code nothing). The same arguments
-    # every step, no host read
+    # otherwise exit at once. With USE_CODED a page is coded only where this program's slot does not hold it yet (it
+    # becomes due once, so most steps code nothing). The same arguments every step, no host read
     i_bh, i_kv, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    b_due = tl.load(due_ptr + i_k) != 0
-    b_held = tl.load(start_ptr + i_k) >= tl.load(floor_ptr)
-    if b_due & b_held:
-        i_p = tl.load(page_ptr + i_k).to(tl.int64)
+    if TABLE:  # one launch for many cells of one shape: axis 1 is (cell, plane); the cell's storage from the table
+        i_cell = (i_kv // 2).to(tl.int64)
+        i_kv = i_kv % 2
+        p_row = table_ptr + i_cell * 11  # ring k / v, codes, key scale / zero, hi, lo, value scale / zero, floor, coded
+        k_ptr = tl.load(p_row).to(k_ptr.dtype, bitcast=True)
+        v_ptr = tl.load(p_row + 1).to(v_ptr.dtype, bitcast=True)
+        codes_ptr = tl.load(p_row + 2).to(codes_ptr.dtype, bitcast=True)
+        kscale_ptr = tl.load(p_row + 3).to(kscale_ptr.dtype, bitcast=True)
+        kzero_ptr = tl.load(p_row + 4).to(kzero_ptr.dtype, bitcast=True)
+        hi_ptr = tl.load(p_row + 5).to(hi_ptr.dtype, bitcast=True)
+        lo_ptr = tl.load(p_row + 6).to(lo_ptr.dtype, bitcast=True)
+        vscale_ptr = tl.load(p_row + 7).to(vscale_ptr.dtype, bitcast=True)
+        vzero_ptr = tl.load(p_row + 8).to(vzero_ptr.dtype, bitcast=True)
+        floor_ptr = tl.load(p_row + 9).to(floor_ptr.dtype, bitcast=True)
+        coded_ptr = tl.load(p_row + 10).to(coded_ptr.dtype, bitcast=True)
+    i_p = tl.load(page_ptr + i_k).to(tl.int64)  # >= 0 (the geometry clamps it), whether due or not
+    b_go = (tl.load(due_ptr + i_k) != 0) & (tl.load(start_ptr + i_k) >= tl.load(floor_ptr))
+    if USE_CODED:  # this program's slot (row, head, plane) of the page: [B', H, 2, K] int32, page n in slot n % K
+        n_k = tl.num_programs(2)
+        p_coded = coded_ptr + (i_bh * 2 + i_kv) * n_k + i_p % n_k
+        b_go = b_go & (tl.load(p_coded) != i_p)
+    if b_go:
         o_p = tl.arange(0, BLOCK_P)
         m_p = o_p < PAGE
         o_m = i_k * PAGE + o_p  # [BP] the page's positions among the K * P gathered ones
@@ -339,3 +351,5 @@ def _flush_page_fwd_kernel(
                 stride_vb, stride_vh, stride_vt, stride_vd, stride_hb, stride_hh, stride_ht, stride_wb, stride_wh,
                 stride_wt, D, NBITS, PAGE, GROUP, BLOCK_P, BLOCK_NG, BLOCK_K,
             )  # fmt: skip
+        if USE_CODED:  # only this program reads or writes its slot in this launch
+            tl.store(p_coded, i_p.to(tl.int32))

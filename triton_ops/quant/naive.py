@@ -763,6 +763,7 @@ def _check_flush(
     floor: object,
     scratch_page: object,
     valid: object,
+    coded: object = None,
 ) -> None:
     """Validation of `flush_page` (shapes and dtypes only: nothing is read back from the device)."""
     ring_key, ring_value = _check_kv(ring_key, "ring_key"), _check_kv(ring_value, "ring_value")
@@ -829,6 +830,17 @@ def _check_flush(
             raise ValueError(f"`valid` must have shape [B, K * P] = {(b, n_pages * p)}, got {tuple(valid.shape)}")
         if valid.device != ring_key.device:
             raise ValueError(f"`valid` is on {valid.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
+    if coded is not None:
+        if not isinstance(coded, Tensor) or coded.dtype != torch.int32:
+            got = coded.dtype if isinstance(coded, Tensor) else type(coded).__name__
+            raise TypeError(f"`coded` must be an int32 tensor [B', H, 2, K] of the pages last coded, got {got}")
+        s = tuple(coded.shape)
+        if coded.ndim != 4 or s[0] < b or s[1:] != (h, 2, n_pages) or not coded.is_contiguous():
+            raise ValueError(
+                f"`coded` must be a contiguous [B', H, 2, K] tensor with B' >= {b}, H = {h}, K = {n_pages}, got {s}"
+            )
+        if coded.device != ring_key.device:
+            raise ValueError(f"`coded` is on {coded.device} but `ring_key` is on {ring_key.device}; a kernel reads one device")
 
 
 def flush_page(
@@ -844,6 +856,7 @@ def flush_page(
     floor: Tensor,
     scratch_page: int,
     valid: Tensor | None = None,
+    coded: Tensor | None = None,
 ) -> None:
     """Code `K` pages of positions held in a ring and write them into page storage, in place: the flush of a static
     coded cell's forward (`hf_loopcache` `StaticCodedLayer.flush`). Reference of `triton_ops.quant.flush_page`.
@@ -868,27 +881,48 @@ def flush_page(
             and the lowest position the ring still holds; a page is written only when `start >= floor`.
         scratch_page (`int`): the page written instead (a page past the readable ones).
         valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): key validity of the pages' positions.
+        coded (`torch.IntTensor` of shape `[B', H, 2, K]`, *optional*): per row, head and plane (keys, values), the
+            page last coded in each of `K` slots (page `n` in slot `n % K`; -1: none). A page written when due is
+            written only where its slot does not already hold it (it was coded before, from the same positions and
+            validity), and the slot then holds it: a forward in which no page became due writes nothing. The caller
+            clears the slots of pages whose positions change (a crop into them, a reset). Without it every due page
+            is written.
     """
-    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
-    _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
+    _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
 
 
-def _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid) -> None:
+def _flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded=None):
     """`flush_page` without validation: gather, quantize (no finite check: no host read), pick the pages, write."""
     b, p = ring_key.shape[0], keys.group_size
     k, v = ring_key.index_select(2, slots), ring_value.index_select(2, slots)
     qk = quantize_keys(k, keys.nbits, group_size=p, valid=valid, check_finite=False)
     qv = quantize_values(v, values.nbits, group_size=values.group_size, check_finite=False)
-    dst = torch.where(due & (start >= floor), page, scratch_page).reshape(-1)  # [K]
+    write = (due & (start >= floor)).reshape(-1)  # [K]
+    page = page.reshape(-1)
+    dst = torch.where(write, page, scratch_page)  # [K]
     tokens = (dst[:, None] * p + torch.arange(p, device=dst.device)).flatten()  # [K * P]
-    keys.codes[:b].index_copy_(2, tokens, qk.codes)
-    keys.scale[:b].index_copy_(2, dst, qk.scale)
-    keys.zero[:b].index_copy_(2, dst, qk.zero)
-    values.hi[:b].index_copy_(2, tokens, qv.hi)
-    values.scale[:b].index_copy_(2, tokens, qv.scale)
-    values.zero[:b].index_copy_(2, tokens, qv.zero)
+    pairs = [(keys.codes, qk.codes, 0, True), (keys.scale, qk.scale, 0, False), (keys.zero, qk.zero, 0, False),
+             (values.hi, qv.hi, 1, True), (values.scale, qv.scale, 1, True), (values.zero, qv.zero, 1, True)]  # fmt: skip
     if qv.lo is not None and values.lo is not None:
-        values.lo[:b].index_copy_(2, tokens, qv.lo)
+        pairs.append((values.lo, qv.lo, 1, True))
+    if coded is None:
+        for dst_t, src, _, per_token in pairs:
+            dst_t[:b].index_copy_(2, tokens if per_token else dst, src)
+        return
+    n = page.numel()
+    slot = page % n  # [K]
+    state = coded[:b]  # [B, H, 2, K]
+    held = state.index_select(3, slot)  # [B, H, 2, K]: what each page's slot holds
+    fresh = write & (held != page)  # [B, H, 2, K]: the pages each (row, head, plane) codes now
+    for dst_t, src, plane, per_token in pairs:
+        index = tokens if per_token else dst
+        m = fresh[:, :, plane]  # [B, H, K]
+        m = (m.repeat_interleave(p, dim=2) if per_token else m)[..., None]
+        dst_t[:b].index_copy_(2, index, torch.where(m, src, dst_t[:b].index_select(2, index)))
+    for i in range(n):  # page by page: a page that is not written may share a written page's slot
+        cur = state.index_select(3, slot[i : i + 1])
+        state.index_copy_(3, slot[i : i + 1], torch.where(fresh[..., i : i + 1], page[i : i + 1].to(state.dtype), cur))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from triton_ops.quant.naive import (
     _check_valid,
 )
 
-__all__ = ["flush_page", "quantize_keys", "quantize_values"]
+__all__ = ["FlushTable", "flush_page", "flush_page_table", "quantize_keys", "quantize_values"]
 
 
 def _quantize_keys_fwd(x: Tensor, nbits: int, group_size: int, valid: Tensor | None) -> QuantizedKeys:
@@ -217,10 +217,14 @@ def _flush_page_fwd(
     floor: Tensor,
     scratch_page: int,
     valid: Tensor | None,
+    coded: Tensor | None = None,
+    table: Tensor | None = None,
 ) -> None:
     """Launch `_flush_page_fwd_kernel`: one launch, grid `(B * H, 2, K)` (keys / values of each of the K pages),
     writing rows `[0, B)` of the page storage in place; the programs of a page that is not due (or no longer held)
-    exit at once and write nothing (`scratch_page` is the reference's; the kernel leaves it alone). The ring may have any strides; the storage needs unit stride on its last dim, and `hi` /
+    exit at once and write nothing (`scratch_page` is the reference's; the kernel leaves it alone), and so do those of
+    a page whose `coded` slot already holds it. The ring may have any strides; the storage needs unit stride on its
+    last dim, and `hi` /
     `lo`, the two key metadata tensors and the two value metadata tensors must share their strides."""
     from triton_ops.quant.kernels import _flush_page_fwd_kernel
 
@@ -240,11 +244,14 @@ def _flush_page_fwd(
     if not b * h:
         return
     page, due, start = page.reshape(-1), due.reshape(-1), start.reshape(-1)  # views: [K], contiguous
-    _flush_page_fwd_kernel[(b * h, 2, pages)](
+    cells = 1 if table is None else table.shape[0]  # with a table: these arguments are the first cell's (types, strides)
+    _flush_page_fwd_kernel[(b * h, 2 * cells, pages)](
         k_ptr=ring_key,
         v_ptr=ring_value,
         slots_ptr=slots,
         valid_ptr=valid if valid is not None else slots,  # any pointer; unused without USE_VALID
+        coded_ptr=coded if coded is not None else slots,  # any pointer; unused without USE_CODED
+        table_ptr=table if table is not None else slots,  # any pointer; unused without TABLE
         due_ptr=due,
         start_ptr=start,
         floor_ptr=floor,
@@ -288,6 +295,8 @@ def _flush_page_fwd(
         BLOCK_NG=next_pow2(d // gs),
         BLOCK_K=next_pow2(gs // 4),
         USE_VALID=valid is not None,
+        USE_CODED=coded is not None,
+        TABLE=table is not None,
     )
 
 
@@ -304,6 +313,7 @@ def flush_page(
     floor: Tensor,
     scratch_page: int,
     valid: Tensor | None = None,
+    coded: Tensor | None = None,
 ) -> None:
     """Code `K` pages of a ring into page storage, in place: the flush of a static coded cell's forward. Same contract
     and bytes as `triton_ops.quant.naive.flush_page` (gather the ring slots, `quantize_keys` over each page with
@@ -334,6 +344,11 @@ def flush_page(
             not written (device-side indexing, no host branch); its bytes are unspecified.
         valid (`torch.BoolTensor` of shape `[B, K * P]`, *optional*): False marks padding positions, left out of the
             key pages' min / max.
+        coded (`torch.IntTensor` of shape `[B', H, 2, K]`, contiguous, *optional*): per row, head and plane (keys,
+            values), the page last coded in each of `K` slots (page `n` in slot `n % K`; -1: none). A due page is
+            coded only where its slot does not hold it yet, and its slot then does (each program owns its slot: no
+            race, no atomics), so a forward in which no page became due codes nothing. The caller clears the slots of
+            pages whose positions change (a crop into them, a reset). Without it every due page is coded.
 
     Example:
         >>> from triton_ops.quant import QuantizedKeys, QuantizedValues, flush_page
@@ -349,9 +364,80 @@ def flush_page(
         >>> bool(keys.scale[:, :, 1].any())
         True
     """
-    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
     if not use_triton("flush_page", ring_key):
-        naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+        naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
         return
     with launch_device(ring_key):  # the tensor's GPU, not the current one (multi-GPU `device_map`)
-        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid)
+        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, scratch_page, valid, coded)
+
+
+class FlushTable:
+    """The storage of several cells of one shape that `flush_page_table` codes in one launch: per cell its ring
+    (`ring_key`, `ring_value`), page storage (`keys`, `values`), `floor` and `coded` slots, as `flush_page` takes
+    them. A device table of their addresses (`[cells, 11]` int64) is built once here: the tensors must not
+    move afterwards (a static cache's storage never does; build a new table when it is reallocated), and every cell's
+    tensors must have the first cell's shapes, strides and dtypes (checked). (On the CPU the table serves the Triton
+    interpreter.)
+
+    Args:
+        cells (`list` of `tuple`): per cell `(ring_key, ring_value, keys, values, floor, coded)`; `coded` may be None
+            for every cell, or for none.
+        scratch_page (`int`): as `flush_page` (the same for every cell).
+    """
+
+    FIELDS = 11
+
+    def __init__(self, cells: list[tuple], scratch_page: int) -> None:
+        if not cells:
+            raise ValueError("`cells` must hold at least one cell's storage")
+        self.cells, self.scratch_page = list(cells), scratch_page
+        first = self._tensors(self.cells[0])
+        if len({c[5] is None for c in self.cells}) > 1:
+            raise ValueError("`coded` must be given for every cell or for none")
+        for i, cell in enumerate(self.cells[1:], 1):
+            for a, b_ in zip(first, self._tensors(cell)):
+                if (a is None) != (b_ is None) or (a is not None and (a.shape, a.stride(), a.dtype, a.device) !=
+                                                   (b_.shape, b_.stride(), b_.dtype, b_.device)):  # fmt: skip
+                    raise ValueError(
+                        f"cell {i} of `cells` must have the first cell's shapes, strides, dtypes and device for one "
+                        "launch"
+                    )
+        rows = []
+        for cell in self.cells:
+            ts = self._tensors(cell)
+            lo = ts[6] if ts[6] is not None else ts[5]
+            coded = ts[10] if ts[10] is not None else ts[9]
+            rows.append([t.data_ptr() for t in (*ts[:6], lo, *ts[7:10], coded)])  # type: ignore[union-attr]
+        self.table = torch.tensor(rows, dtype=torch.int64, device=self.cells[0][0].device)
+
+    @staticmethod
+    def _tensors(cell: tuple) -> list[Tensor | None]:
+        ring_key, ring_value, keys, values, floor, coded = cell
+        return [ring_key, ring_value, keys.codes, keys.scale, keys.zero, values.hi, values.lo, values.scale,
+                values.zero, floor, coded]  # fmt: skip
+
+
+def flush_page_table(
+    table: FlushTable,
+    *,
+    slots: Tensor,
+    page: Tensor,
+    due: Tensor,
+    start: Tensor,
+    valid: Tensor | None = None,
+) -> None:
+    """`flush_page` of every cell of `table` with the same geometry (`slots`, `page`, `due`, `start`, `valid`): the
+    same bytes and slots as one `flush_page` per cell, in **one launch** on CUDA (grid `(B * H, 2 * cells, K)`, each
+    program reading its cell's addresses from the table; graph-safe as `flush_page` is). Elsewhere the reference, cell
+    by cell."""
+    ring_key, ring_value, keys, values, floor, coded = table.cells[0]  # the others have its shapes (FlushTable)
+    _check_flush(ring_key, ring_value, keys, values, slots, page, due, start, floor, table.scratch_page, valid, coded)
+    if not use_triton("flush_page", ring_key):
+        for ring_key, ring_value, keys, values, floor, coded in table.cells:
+            naive._flush_page(ring_key, ring_value, keys, values, slots, page, due, start, floor, table.scratch_page,
+                              valid, coded)  # fmt: skip
+        return
+    with launch_device(ring_key):
+        _flush_page_fwd(ring_key, ring_value, keys, values, slots, page, due, start, floor, table.scratch_page, valid,
+                        coded, table.table)  # fmt: skip

@@ -19,7 +19,13 @@ holes a row's effective positions span more storage), so every page below was co
 a page again from the same positions and validity gives the same codes. Page indices are device values, the writes
 `index_copy_`, and a page not due (below the sink, or no longer held by the ring, e.g. after a crop deeper than the
 rollback reserve) goes to a scratch page past the last one: no host branch, nothing allocated that depends on the
-length. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
+length. A page is coded once, in the forward where it becomes due: the cell keeps, on the device, per row, head and
+plane the page last coded in each of `K` slots (`coded_t`, page `n` in slot `n % K`, `flush_page`'s `coded`), and
+a page its slot already holds is skipped (its codes were made from the same positions and final validity), so the
+`P - 1` forwards in `P` in which no page becomes due code nothing. The slots are forgotten from the page holding
+the new length on by a crop that may reach a coded page (`_coded_reach`; none within a reserve well inside the
+window), entirely by `reset`, a new prefill, `select_batch` and `resize`. In a complete forward the first coded cell
+to prepare flushes every coded cell of its code format in one launch (`FlushGroup`); drafts flush cell by cell. Pages are coded by storage position with the forward's key validity, so a hole (a rejected draft token of one
 row) is left out of its page's key scales, as the growable `CodedLayer` codes it; with `W >= gamma` no page is coded
 before its positions' holes are known. A shared cell asks its source for those pages before it reads (once per
 forward: the source's own attend comes later in a complete forward, and never in a draft).
@@ -41,12 +47,20 @@ from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
 from triton_ops import fused
 from triton_ops.coded_attention import CellView, coded_attention
-from triton_ops.quant import QuantizedKeys, QuantizedValues, dequantize_keys, dequantize_values, flush_page
+from triton_ops.quant import (
+    FlushTable,
+    QuantizedKeys,
+    QuantizedValues,
+    dequantize_keys,
+    dequantize_values,
+    flush_page,
+    flush_page_table,
+)
 
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
 
-__all__ = ["StaticCodedLayer", "StaticCodedSharedLayer", "coded_ring_capacity"]
+__all__ = ["FlushGroup", "StaticCodedLayer", "StaticCodedSharedLayer", "coded_ring_capacity"]
 
 _CODE_CHUNK_PAGES = 32
 """Pages coded per call on the host path (a prefill): bounds the fp32 transient."""
@@ -431,6 +445,10 @@ class StaticCodedLayer(_StaticWindowed):
         self.num_pages = max(1, math.ceil(max(0, max_cache_len - sink) / page_size))  # + a scratch page (`flush`)
         self.qk: QuantizedKeys | None = None
         self.qv: QuantizedValues | None = None
+        # `flush_page`'s `coded` slots ([rows, heads, 2, K] int32, page n in slot n % K, -1: none): the pages the
+        # device flush has coded, so that a page is coded in the forward where it becomes due and skipped after
+        self.coded_t: torch.Tensor | None = None
+        self.flush_group: FlushGroup | None = None  # the cache's coded cells, flushed in one launch (`FlushGroup`)
 
     @property
     def option(self) -> str:
@@ -460,6 +478,24 @@ class StaticCodedLayer(_StaticWindowed):
             nbits=self.nbits,
             group_size=self.group,
         )
+        k = flush_pages(self.page, self.rollback)
+        self.coded_t = torch.full((rows, heads, 2, k), -1, dtype=torch.int32, device=device)
+
+    def _forget(self, first_page: int = 0) -> None:
+        """The flush codes pages from `first_page` on again when they are due (their positions change: a crop into
+        them, a reset, a new prefill, rows reordered)."""
+        if self.coded_t is None:
+            return
+        if first_page <= 0:
+            self.coded_t.fill_(-1)
+        else:
+            self.coded_t.masked_fill_(self.coded_t >= first_page, -1)
+
+    def _coded_slots(self) -> torch.Tensor | None:
+        """The `coded` slots for `flush_page`, or None (code every due page every forward) when the rollback reserve
+        exceeds the window: a page could then be coded before its positions' holes are known, and only the re-coding
+        of the following forwards, while the page is among the `K`, would correct it."""
+        return self.coded_t if self.rollback <= self.window else None
 
     def _history(self):
         assert self.qk is not None and self.qv is not None  # noqa: S101 - allocated by the first write
@@ -524,7 +560,8 @@ class StaticCodedLayer(_StaticWindowed):
         reads): the forward is the same either way. `triton_ops.quant.flush_page` does it all in one kernel launch on
         CUDA (gather, quantize, pick the pages, write; the device-side geometry read in the kernel, whose programs exit
         at once for a page that is not due), with the reference's torch ops elsewhere; the bytes of every page a
-        reader reads are the same."""
+        reader reads are the same. With the `coded` slots (`_coded_slots`) a page is coded only in the forward where
+        it becomes due (see the module docstring)."""
         geo = self._geometry(read, positions)
         ring_k, ring_v = self._views()
         mask = geo["valid"]
@@ -532,6 +569,7 @@ class StaticCodedLayer(_StaticWindowed):
         flush_page(
             ring_k, ring_v, keys, values, slots=geo["slots"], page=geo["page"], due=geo["due"], start=geo["start"],
             floor=self.floor_t, scratch_page=self.num_pages, valid=None if mask is None else mask[: self.rows],
+            coded=self._coded_slots(),
         )  # fmt: skip
 
     def code_range(self, start: int, end: int, valid: torch.Tensor | None, new=None) -> None:
@@ -600,10 +638,12 @@ class StaticCodedLayer(_StaticWindowed):
         """Make the codes readable for this forward, on the device (once per forward: shared cells call it on their
         source before their read): `flush` the `K` pages below the largest history end of the forward's queries.
         Every page below those was coded by an earlier forward (the boundary moves by at most `K - 1` pages a
-        forward, `flush_pages`), and coding a page again gives the same codes."""
+        forward, `flush_pages`), and coding a page again would give the same codes: the `coded` slots skip it."""
         key = ("static-coded-flush", id(self))
         if key not in read.memo:
-            self.flush(read, positions)
+            group = self.flush_group
+            if group is None or not group.flush(self, read, positions):
+                self.flush(read, positions)
             read.memo[key] = True
 
     # ---------------------------------------------------------------- read and write
@@ -614,6 +654,7 @@ class StaticCodedLayer(_StaticWindowed):
         positions = self._positions(q, read)
         if self.length == 0:
             n = q
+            self._forget()  # a new prefill: every page is new
             out = self._prefill(query, key, value, read, positions)
             h = window_boundary(n, sink=self.sink, window=self.window, page_size=self.page)
             if h > self.sink:  # the prompt's pages, straight from its keys and values
@@ -635,6 +676,40 @@ class StaticCodedLayer(_StaticWindowed):
             self.code_range(first, end, self.valid)
         return end
 
+    # ---------------------------------------------------------------- crop, batch, reset: the coded slots
+    def truncate(self, length: int) -> None:
+        """`_StaticWindowed.truncate`, and the pages from the one holding `length` on are coded again when due (their
+        positions from `length` on will be written anew). Only when a coded page may reach `length`
+        (`_coded_reach`): a crop within a rollback reserve well inside the window issues no device op."""
+        old, high = self.length, self.high
+        super().truncate(length)
+        if length < old and length < self._coded_reach(high):
+            self._forget(max(0, length - self.sink) // self.page)
+
+    def _coded_reach(self, high: int) -> int:
+        """A bound (host) on the end of every page the device flush may have coded while the cell held at most `high`
+        positions: a page ends at the page boundary at or above a history end, which lies at most `W` before the
+        query (storage positions; holes only widen the gap), or at the ring's low end `high - (C - R)`; a draft's
+        queries run up to `R - 1` positions past what a source holds."""
+        reach = max(high + self.rollback - 1 - self.window, high - (self.capacity - self.rollback), self.sink)
+        return self.sink + self.page * -(-(reach - self.sink) // self.page)
+
+    def reset(self) -> None:
+        super().reset()
+        self._forget()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        self._forget()  # the rows' pages moved (they are coded; the slots need only not claim a page wrongly)
+
+    def resize(self, rollback: int) -> None:
+        super().resize(rollback)
+        k = flush_pages(self.page, rollback)
+        if self.coded_t is not None and self.coded_t.shape[-1] != k:
+            self.coded_t = torch.full((*self.coded_t.shape[:-1], k), -1, dtype=torch.int32, device=self.coded_t.device)
+        else:
+            self._forget()  # `_coded_reach` assumes the reserve the pages were coded under
+
     # ---------------------------------------------------------------- the source side
     def readable_limit(self, length: int | None = None) -> int:
         length = self.length if length is None else length
@@ -654,6 +729,58 @@ class StaticCodedLayer(_StaticWindowed):
         """History positions `[start, end)` decoded from the codes (coded first where the ring still holds them)."""
         self._code_for(page_floor(end - 1, start=self.sink, page_size=self.page) + self.page)
         return self._history_decoded(start, end)
+
+
+class FlushGroup:
+    """The coded cells of one static cache (`LoopCache` attaches it to each as `flush_group`): in a complete forward
+    (every cell written in it, so every cell's flush has the same device geometry) the first coded cell that prepares
+    flushes every cell of its code format (`nbits`, value group) in **one launch** (`flush_page_table`, over a device
+    table of the cells' storage addresses, built once and rebuilt only when a cell's storage moves) and marks them
+    flushed for the forward; the same bytes and slots as one `flush` per cell. Drafts, and a forward in which the cells
+    do not all hold the same positions, flush cell by cell.
+
+    Args:
+        cells (`list` of `StaticCodedLayer`): the cache's coded cells.
+    """
+
+    def __init__(self, cells: list[StaticCodedLayer]) -> None:
+        self.cells = list(cells)
+        self._tables: dict[tuple, tuple[tuple, FlushTable]] = {}
+
+    def _peers(self, cell: StaticCodedLayer) -> list[StaticCodedLayer]:
+        """The cells flushed with `cell`: its code format, on its device (a model split by `device_map` flushes one
+        table per device)."""
+        device = None if cell.k is None else cell.k.device
+        return [c for c in self.cells if c.nbits == cell.nbits and c.group == cell.group and c.k is not None
+                and c.k.device == device]  # fmt: skip
+
+    def flush(self, cell: StaticCodedLayer, read: ReadState, positions: torch.Tensor) -> bool:
+        """Flush every cell of `cell`'s format in one launch when the forward allows it; returns whether it did."""
+        if not read.complete:
+            return False
+        peers = self._peers(cell)
+        if len(peers) < 2 or any(c.qk is None or c.length != cell.length or c.rows != cell.rows for c in peers):
+            return False
+        rows = cell.rows
+        signature = tuple((c.k.data_ptr(), c.v.data_ptr(), c.qk.codes.data_ptr(),  # type: ignore[union-attr]
+                           None if c.coded_t is None else c.coded_t.data_ptr(), c._coded_slots() is None)
+                          for c in peers)  # fmt: skip
+        key = (cell.nbits, cell.group, rows, cell.k.device)  # type: ignore[union-attr]
+        entry = self._tables.get(key)
+        if entry is None or entry[0] != signature:
+            stores = []
+            for c in peers:
+                ring_k, ring_v = c._views()
+                keys, values = c._codes(c.num_pages + 1)
+                stores.append((ring_k, ring_v, keys, values, c.floor_t, c._coded_slots()))
+            entry = self._tables[key] = (signature, FlushTable(stores, scratch_page=cell.num_pages))
+        geo = cell._geometry(read, positions)
+        mask = geo["valid"]
+        flush_page_table(entry[1], slots=geo["slots"], page=geo["page"], due=geo["due"], start=geo["start"],
+                         valid=None if mask is None else mask[:rows])  # fmt: skip
+        for c in peers:
+            read.memo[("static-coded-flush", id(c))] = True
+        return True
 
 
 class StaticCodedSharedLayer(_StaticWindowed):

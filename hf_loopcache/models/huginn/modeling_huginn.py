@@ -44,6 +44,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    linear,
     one_piece,
     rope_span,
 )
@@ -83,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         fused projection, the learned bias and the pair-wise RoPE (`cos` / `sin` fp32 `[B, q, 1, D/2]`)."""
         b, q_len, _ = x.shape
         h, hk, d = self.n_head, self.n_kv_heads, self.head_dim
-        qkv = self.Wqkv(x)
+        qkv = linear(self.Wqkv, x)
         q, k, v = qkv.split(self.chunks, dim=2)
         v = v.view(b, q_len, hk, d)
         bias = getattr(self, "qk_bias", None)
@@ -108,8 +109,8 @@ class GatedMLP(nn.Module):
         self.nonlin = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(fused.silu_mul(gate, up))  # one kernel on CUDA (`triton_ops.fused`)
+        gate, up = linear(self.fc, x).chunk(2, dim=-1)
+        return linear(self.proj, fused.silu_mul(gate, up))  # one kernel on CUDA (`triton_ops.fused`)
 
 
 class SandwichBlock(nn.Module):
@@ -143,12 +144,18 @@ class SandwichBlock(nn.Module):
         if one_piece(b, t):  # both halves in one call (decode steps, short inputs): each residual norm runs as one
             # kernel with the norm that reads its output (on CUDA)
             h, normed = attention_half(
-                state, slot, x, project, lambda o, piece: self.norm_2.then(attn.proj(o), self.norm_3, add_before=piece)
+                state,
+                slot,
+                x,
+                project,
+                lambda o, piece: self.norm_2.then(linear(attn.proj, o), self.norm_3, add_before=piece),
             )
             if next_norm is not None:
                 return state.pass_normed(*self.norm_4.then(self.mlp(normed), next_norm, add_before=h))
             return self.norm_4(self.mlp(normed), add_before=h)
-        h = attention_half(state, slot, x, project, lambda o, piece: self.norm_2(attn.proj(o), add_before=piece))
+        h = attention_half(
+            state, slot, x, project, lambda o, piece: self.norm_2(linear(attn.proj, o), add_before=piece)
+        )
         return by_token_chunks(lambda t: self.norm_4(self.mlp(self.norm_3(t)), add_before=t), h, out=h)
 
 

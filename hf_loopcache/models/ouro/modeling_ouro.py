@@ -37,6 +37,7 @@ from hf_loopcache.models._common import (
     by_token_chunks,
     check_num_loops,
     default_cache,
+    linear,
     one_piece,
     rope_span,
     stacked_linear,
@@ -79,8 +80,8 @@ class OuroMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = stacked_linear(self, ("gate_proj", "up_proj"), x)
         if self.config.hidden_act == "silu":  # one kernel on CUDA (`triton_ops.fused`)
-            return self.down_proj(fused.silu_mul(gate, up))
-        return self.down_proj(self.act_fn(gate) * up)
+            return linear(self.down_proj, fused.silu_mul(gate, up))
+        return linear(self.down_proj, self.act_fn(gate) * up)
 
 
 class OuroAttention(nn.Module):
@@ -157,7 +158,7 @@ class OuroDecoderLayer(nn.Module):
                 x,
                 project,
                 lambda o, piece: self.input_layernorm_2.then(
-                    attn.o_proj(o), self.post_attention_layernorm, add_after=piece
+                    linear(attn.o_proj, o), self.post_attention_layernorm, add_after=piece
                 ),
             )
             if next_norm is not None:
@@ -166,7 +167,7 @@ class OuroDecoderLayer(nn.Module):
                 )
             return self.post_attention_layernorm_2(self.mlp(normed), add_after=h)
         h = attention_half(
-            state, slot, x, project, lambda o, piece: self.input_layernorm_2(attn.o_proj(o), add_after=piece)
+            state, slot, x, project, lambda o, piece: self.input_layernorm_2(linear(attn.o_proj, o), add_after=piece)
         )
         return by_token_chunks(
             lambda t: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(t)), add_after=t), h, out=h

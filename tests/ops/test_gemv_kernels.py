@@ -1,0 +1,277 @@
+"""`triton_ops.gemv` against its reference (`F.linear`), its sm_90 compile, its dispatch switch and the models' use
+of it.
+
+The kernel tests run on CUDA, or on the CPU under `TRITON_INTERPRET=1` (started by
+`tests/ops/test_triton_interpreter.py`); the dispatch rules run on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from triton_ops import gemv as gemv_pkg
+from triton_ops.gemv import GEMV_TUNING, gemv, ops, ref_gemv
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 (see test_triton_interpreter)"
+)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+#: launch settings that cover both paths, one and several K splits, tiles that do not divide N or K
+CONFIGS = {
+    "default": None,
+    "fma-split3": {"block_n": 8, "block_k": 32, "dot": False, "num_warps": 4, "num_stages": 2, "split": 3},
+    "fma-bn4": {"block_n": 4, "block_k": 64, "dot": False, "num_warps": 2, "num_stages": 2, "split": 1},
+    "dot-split2": {"block_n": 16, "block_k": 32, "dot": True, "num_warps": 4, "num_stages": 2, "split": 2},
+    "dot-bn32": {"block_n": 32, "block_k": 64, "dot": True, "num_warps": 4, "num_stages": 3, "split": 1},
+}
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Under the interpreter the kernels take CPU tensors: let the dispatch send them there."""
+    if INTERPRET and not torch.cuda.is_available():
+        monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
+
+
+def _rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _check_close(out, x, w, b=None):
+    """STYLE 14: the kernel's error against the fp64 product is at most twice the error of `F.linear` run in the
+    kernel's dtype, plus a small atol."""
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    same_dtype = ref_gemv(x, w, b) if x.dtype != torch.bfloat16 or x.is_cuda else ref_gemv(x.float(), w.float(), b)
+    ref_err = (same_dtype.double() - exact).abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    atol = 1e-5 if x.dtype == torch.float32 else 1e-3
+    assert err <= 2 * ref_err + atol, (err, ref_err)
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", list(CONFIGS), ids=str)
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [pytest.param(*c, id="M{}-N{}-K{}".format(*c)) for c in [(1, 70, 200), (3, 33, 100), (16, 70, 200), (2, 48, 96)]],
+)
+def test_gemv_matches_reference(on_cpu, m, n, k, config, dtype):
+    x, w = _rand((m, k), dtype, 0), _rand((n, k), dtype, 1, k**-0.5)
+    out = gemv(x, w, config=CONFIGS[config])
+    assert out.shape == (m, n) and out.dtype == dtype
+    _check_close(out, x, w)
+
+
+@kernels
+@pytest.mark.parametrize("config", ["fma-split3", "dot-split2"])
+def test_gemv_bias_leading_dims_and_determinism(on_cpu, config):
+    """Leading dims flatten into rows, the bias is added once (also after a split), and two calls give the same
+    bits (the splits are added in a fixed order)."""
+    x, w, b = _rand((2, 3, 100), torch.float16, 0), _rand((40, 100), torch.float16, 1, 0.1), _rand((40,), torch.float16, 2)
+    out = gemv(x, w, b, config=CONFIGS[config])
+    assert out.shape == (2, 3, 40)
+    _check_close(out.reshape(6, 40), x.reshape(6, 100), w, b)
+    assert torch.equal(out, gemv(x, w, b, config=CONFIGS[config]))
+
+
+@kernels
+def test_gemv_reads_a_slice_of_a_stacked_weight(on_cpu):
+    """A weight whose rows are a slice of a larger buffer (a stacked projection's part) is read in place."""
+    stacked = _rand((96, 64), torch.float32, 3, 0.1)
+    part = stacked[32:80]
+    x = _rand((2, 64), torch.float32, 4)
+    _check_close(gemv(x, part, config=CONFIGS["fma-split3"]), x, part.contiguous())
+
+
+@kernels
+def test_gemv_split_rule_fills_the_sms(on_cpu):
+    """The default rule splits K when the feature blocks are fewer than the SMs, never below `min_split_k`."""
+    cfg = {"block_n": 16, "block_k": 256, "split": None}
+    assert ops._split(cfg, 2048, 2048, 132) == (2, 1024)  # 128 blocks on 132 SMs: two halves of K
+    assert ops._split(cfg, 11264, 2048, 132) == (1, 2048)  # 704 blocks: no split
+    assert ops._split(cfg, 2048, 5632, 132)[0] == 2
+    assert ops._split({**cfg, "split": 3}, 70, 200, 132) == (1, 256)  # a split is at least one K block
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
+@pytest.mark.parametrize("partial", [False, True], ids=["one-split", "splits"])
+def test_gemv_kernel_compiles_for_sm90(dot, partial):
+    """The interpreter runs Python, not Triton's compiler: compile both paths for sm_90 as a bf16 decode step
+    launches them (aligned pointers and sizes: vectorized loads), and the reduce kernel, with no GPU."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
+
+    consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=16 if dot else 8, BLOCK_K=256 if dot else 512, USE_DOT=dot,
+                  IEEE=False, PARTIAL=partial, HAS_BIAS=not partial)  # fmt: skip
+    ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32")
+    aligned = {"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
+               "stride_om", "stride_os"}  # fmt: skip
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(fn, consts, ptr, **options):
+        sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=target, options=options)
+
+    try:
+        kernel = build(_gemv_fwd_kernel, consts, ptr, num_warps=4, num_stages=3)
+        reduce = build(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024), {**ptr, "out_ptr": "bf16"}, num_warps=4)
+    except RuntimeError as err:  # no ptxas in this Triton build
+        if "ptxas" in str(err).lower():
+            pytest.skip(str(err).splitlines()[0])
+        raise
+    assert kernel.asm.get("cubin") and reduce.asm.get("cubin")
+    ptx = kernel.asm["ptx"]
+    assert ("mma" in ptx) == dot
+    assert "ld.global.v4" in ptx or "cp.async" in ptx  # W is read in 16-byte pieces
+
+
+# ---- dispatch (any machine) ----
+
+
+def test_switch_is_on_for_measured_wins_only():
+    """On by default since the H200 sweep filled `GEMV_CONFIGS`, and only for the listed wins: CPU tensors, and a
+    shape the table does not list, stay on F.linear."""
+    assert GEMV_TUNING["enabled"] is True and GEMV_TUNING["listed_only"] is True
+    x, w = torch.randn(1, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
+    assert not ops.routes(x, w)  # CPU
+    assert (2048, 2048) in ops.GEMV_CONFIGS and ops.GEMV_CONFIGS[(11264, 2048)][1] is None  # cuBLAS won gate/up
+
+
+def test_switch_on_routes_cuda_only(monkeypatch):
+    """On: CPU tensors stay on F.linear (the real device check); a CUDA call (simulated) of at most `max_rows` fp16 /
+    bf16 rows without gradient takes the kernel, anything else cuBLAS."""
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
+    h = torch.float16
+    w = torch.randn(32, 64, dtype=h)
+    assert not ops.routes(torch.randn(1, 64, dtype=h), w)  # CPU
+    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)  # as on CUDA with Triton
+    assert ops.routes(torch.randn(1, 64, dtype=h), w)
+    assert ops.routes(torch.randn(2, 8, 64, dtype=h), w)  # 16 rows
+    assert not ops.routes(torch.randn(17, 64, dtype=h), w)  # M > 16: cuBLAS
+    assert not ops.routes(torch.randn(3, 6, 64, dtype=h), w)  # 18 rows
+    assert not ops.routes(torch.randn(1, 64), w.float())  # fp32
+    assert not ops.routes(torch.randn(1, 64, dtype=h), w.bfloat16())  # mixed dtypes
+    assert not ops.routes(torch.randn(1, 64, dtype=h, requires_grad=True), w)  # autograd
+    monkeypatch.setitem(GEMV_TUNING, "enabled", False)
+    assert not ops.routes(torch.randn(1, 64, dtype=h), w)
+
+
+def test_table_decides_per_shape_and_row_class(monkeypatch):
+    """`GEMV_CONFIGS`: None keeps cuBLAS for that row class; with `listed_only` (the default) an unlisted shape or row
+    class keeps cuBLAS too; a listed one takes the kernel with its settings."""
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
+    fma = {"block_n": 8, "block_k": 512, "dot": False, "num_warps": 4, "num_stages": 2, "split": 1}
+    monkeypatch.setitem(ops.GEMV_CONFIGS, (32, 64), {1: fma, 8: None})
+    w = torch.randn(32, 64, dtype=torch.float16)
+    assert ops.routes(torch.randn(1, 64, dtype=torch.float16), w)
+    assert not ops.routes(torch.randn(8, 64, dtype=torch.float16), w)  # cuBLAS measured faster
+    assert not ops.routes(torch.randn(6, 64, dtype=torch.float16), w)  # class 8
+    assert not ops.routes(torch.randn(2, 64, dtype=torch.float16), w)  # not measured
+    assert not ops.routes(torch.randn(1, 32, dtype=torch.float16), torch.randn(32, 32, dtype=torch.float16))
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
+    assert ops.routes(torch.randn(2, 64, dtype=torch.float16), w)
+    assert not ops.routes(torch.randn(8, 64, dtype=torch.float16), w)  # None still means cuBLAS
+    assert ops.gemv_config(1, 32, 64, 132) == fma
+    assert ops.gemv_config(8, 32, 64, 132) == ops.default_config(8, 32, 64, 132)
+
+
+def test_linear_calls_the_kernel_only_when_routed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))
+    x, w = torch.randn(2, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
+    torch.testing.assert_close(gemv_pkg.linear(x, w), torch.nn.functional.linear(x, w))
+    assert calls == []
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
+    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
+    gemv_pkg.linear(x, w)
+    gemv_pkg.linear(torch.randn(20, 64, dtype=torch.float16), w)
+    assert calls == [(2, 64)]
+
+
+def test_models_linear_leaves_hooked_modules_alone(monkeypatch):
+    """`_common.linear` calls a module with hooks (or a replaced forward) as it is, never the kernel."""
+    from hf_loopcache.models._common import linear
+
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
+    monkeypatch.setattr(ops, "gemv", lambda *a, **k: pytest.fail("the kernel ran for a hooked module"))
+    lin = torch.nn.Linear(64, 32, bias=False).half()
+    seen = []
+    lin.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    linear(lin, torch.randn(1, 64, dtype=torch.float16))
+    assert seen == [(1, 32)]
+
+
+def test_gemv_validates_its_arguments():
+    with pytest.raises(ValueError, match="`x` must end in K = 64"):
+        gemv(torch.randn(1, 63), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv(torch.randn(1, 64, dtype=torch.float16), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="`bias` must be"):
+        gemv(torch.randn(1, 64), torch.randn(8, 64), torch.randn(7))
+
+
+# ---- the models, switch on, under the interpreter ----
+
+
+def _tiny(family):
+    from hf_loopcache import HuginnConfig, HuginnForCausalLM, OuroConfig, OuroForCausalLM
+
+    if family == "ouro":  # per layer call: q/k/v stacked, o_proj, gate/up stacked, down_proj; 1 layer x 2 loops
+        cfg = OuroConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, total_ut_steps=2, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)  # fmt: skip
+        return OuroForCausalLM(cfg), 4 * 2
+    # per block: Wqkv, attn.proj, fc, mlp proj; prelude 1 + core 1 x 2 steps + coda 1
+    cfg = HuginnConfig(n_embd=32, n_heads=2, n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1,
+                       intermediate_size=48, vocab_size=64, mean_recurrence=2, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0)  # fmt: skip
+    return HuginnForCausalLM(cfg), 4 * 4
+
+
+@kernels
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_tiny_model_decode_matches_with_the_switch_on(on_cpu, monkeypatch, family):
+    """A tiny fp16 model: a prompt, then one decode step; with the switch on every projection of the blocks runs the
+    kernel (counted) and the logits match the switch off within fp16 tolerance."""
+    from hf_loopcache import FullLoopCache
+
+    torch.manual_seed(0)
+    model, per_forward = _tiny(family)
+    model = model.to(DEVICE, torch.float16).eval()
+    ids = torch.randint(1, 64, (1, 5), device=DEVICE)
+    launched = []
+    real = ops._gemv_fwd
+    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a: launched.append(a[0].shape) or real(*a))
+
+    def decode():
+        cache = FullLoopCache(model)
+        with torch.no_grad():
+            model(ids[:, :4], cache=cache)
+            return model(ids[:, 4:], cache=cache).logits.float()
+
+    off = decode()
+    assert launched == []
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)  # (tiny shapes are not in the table)
+    monkeypatch.setitem(GEMV_TUNING, "max_rows", 4)  # the 4-token prompt takes the kernel too
+    on = decode()
+    assert len(launched) == 2 * per_forward
+    torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,16 @@
+"""Skinny GEMM ("GEMV") for decode steps: `y = x @ W^T` for inputs of at most a few rows, reading `W` once with
+enough programs to fill the SMs (K split into ranges added in a fixed order when the output is narrow).
+
+- `gemv(x, weight, bias=None)`: the Triton kernel on CUDA (`ops.py`, `kernels.py`), `ref_gemv` (`F.linear`)
+  elsewhere.
+- `linear(x, weight, bias=None)`: the models' projection: `gemv` when `GEMV_TUNING["enabled"]` and the call is a
+  decode-sized one on CUDA (`routes`), `F.linear` otherwise. Off by default.
+- `GEMV_TUNING`, `GEMV_CONFIGS`: the switch and defaults, and the measured settings per `(N, K)` and row class.
+
+See `README.md`.
+"""
+
+from triton_ops.gemv.ops import GEMV_CONFIGS, GEMV_TUNING, default_config, gemv, gemv_config, linear, routes
+from triton_ops.gemv.reference import ref_gemv
+
+__all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "ref_gemv", "routes"]

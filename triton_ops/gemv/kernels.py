@@ -1,0 +1,73 @@
+"""Triton kernels of `gemv` (`@triton.jit` only; launcher, tuning and dispatch in `ops.py`, the math in README.md).
+
+`y [M, N] = x [M, K] @ W [N, K]^T` for a few rows (decode steps): the grid is `(cdiv(N, BLOCK_N), SPLIT)`; program
+`(i_n, i_s)` reads the `BLOCK_N` rows of `W` over the `i_s`-th range of `K` once and every row of `x` with it. With
+one split it writes the output (plus bias, in `x`'s dtype); with several it writes fp32 partial sums into a workspace
+`[SPLIT, M, N]` that `_gemv_reduce_kernel` adds in split order (deterministic: no atomics).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count of a block
+def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                     IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """`x` `[M, K]` and `W` `[N, K]` (last axes contiguous); `out` `[M, N]` at row stride `stride_om` (PARTIAL: fp32
+    `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`."""
+    i_n = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1).to(tl.int64)
+    o_m = tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    p_x = x_ptr + o_m[:, None] * stride_xm
+    if USE_DOT:  # tensor cores, rows padded to 16: x [BM, BK] @ W^T [BK, BN]
+        p_w = w_ptr + o_n[None, :] * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            m_k = (k + o_k) < K  # (splits end on BLOCK_K multiples: only K cuts a tile)
+            b_x = tl.load(p_x + (k + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            b_w = tl.load(p_w + (k + o_k)[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
+            if IEEE:
+                acc = tl.dot(b_x, b_w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(b_x, b_w, acc)
+        b_y = acc
+    else:  # FMA: products kept per K lane in fp32, reduced across lanes once at the end
+        p_w = w_ptr + o_n[:, None] * stride_wn
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            m_k = (k + o_k) < K  # (splits end on BLOCK_K multiples: only K cuts a tile)
+            b_x = tl.load(p_x + (k + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            b_w = tl.load(p_w + (k + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+            acc3 += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+        b_y = tl.sum(acc3, axis=2)  # [BM, BN]
+    m_y = m_m[:, None] & m_n[None, :]
+    o_y = o_m[:, None] * stride_om + o_n[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + i_s * stride_os + o_y, b_y, mask=m_y)
+    else:
+        if HAS_BIAS:
+            b_y += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + o_y, b_y.to(out_ptr.dtype.element_ty), mask=m_y)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _gemv_reduce_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT, stride_os, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """`out [M, N] = sum_s ws[s] (+ bias)`, the splits added in order 0, 1, ...; `out` contiguous."""
+    o_y = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_y = o_y < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(ws_ptr + s * stride_os + o_y, mask=m_y, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + o_y % N, mask=m_y, other=0.0).to(tl.float32)
+    tl.store(out_ptr + o_y, acc.to(out_ptr.dtype.element_ty), mask=m_y)

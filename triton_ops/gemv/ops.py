@@ -1,0 +1,261 @@
+"""Launcher, tuning and dispatch of `gemv`: a skinny GEMM `y = x @ W^T` for inputs of a few rows (decode steps).
+
+cuBLAS picks tiles for such shapes that leave most SMs idle or split K with an extra reduce kernel (H200, Ouro-1.4B's
+`o_proj` 2048 -> 2048: 32 programs on 132 SMs). This op reads `W` once with at least one program per SM: narrow
+blocks of output features, and K split only when the feature blocks are too few (the partial sums added in a fixed
+order by a second kernel, never by atomics: the result does not depend on scheduling). No host sync, no persistent
+workspace (a split's fp32 partials are a temporary of the call), so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from triton_ops._dispatch import launch_device, next_pow2, use_triton
+from triton_ops.gemv.reference import ref_gemv
+
+__all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "routes"]
+
+GEMV_TUNING: dict[str, Any] = {
+    "enabled": True,
+    "listed_only": True,
+    "max_rows": 16,
+    "programs_per_sm": 1,
+    "min_split_k": 512,
+}
+"""The models' switch and the defaults: `enabled` sends the decode projections of the native models (`linear`,
+`hf_loopcache.models._common`) to the kernel on CUDA (on: `GEMV_CONFIGS` holds the H200's measured wins); with `listed_only`
+only the shapes and row classes that `GEMV_CONFIGS` lists with settings take it (the measured wins), otherwise every
+shape does (`default_config` where none is listed); `max_rows` is the most rows (all leading dims flattened) that
+take it; `programs_per_sm` is the programs the default split aims at per SM; `min_split_k` the fewest K values one
+split reads."""
+
+GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
+    # H200 (torch 2.11, Triton 3.6, bf16; `python -m benchmarks.run gemv`, benchmarks/results/gemv_h200.json): the
+    # sweep's fastest settings where they beat cuBLAS, None where cuBLAS won
+    (2048, 2048): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        4: None,
+        8: None,
+        16: None,
+    },
+    (2048, 5632): {
+        1: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        4: None,
+        8: None,
+        16: None,
+    },
+    (5280, 5280): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (5280, 10560): {
+        1: {"block_n": 8, "block_k": 512, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (5280, 17920): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+        4: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+        8: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+        16: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
+    },
+    (6144, 2048): {
+        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (11264, 2048): {
+        1: None,
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (15840, 5280): {
+        1: None,
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+    (35840, 5280): {
+        1: {"block_n": 8, "block_k": 512, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        2: None,
+        4: None,
+        8: None,
+        16: None,
+    },
+}
+"""Measured launch settings per `(N, K)` and row class (`next_pow2(M)`: 1, 2, 4, 8, 16), pasted from the
+`*_configs.py` that `python -m benchmarks.run gemv` writes on the H200: `block_n`, `block_k`, `split` (K ranges; None
+for the default rule's), `dot` (tensor cores on rows padded to 16, else FMA), `num_warps`, `num_stages`; None where
+cuBLAS was faster (`linear` keeps `F.linear` there). `gemv` itself takes `default_config` where nothing is listed."""
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(x: Tensor) -> int:
+    return _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
+    """Settings for `M` rows of an `[N, K]` weight on `sms` SMs when `GEMV_CONFIGS` has none: FMA on narrow blocks for
+    1-2 rows, tensor cores on 16-row tiles above; K split only when the feature blocks cannot fill the SMs."""
+    cfg: dict[str, Any]
+    if m <= 2:
+        cfg = {"block_n": 8, "block_k": 512, "dot": False, "num_warps": 4, "num_stages": 2}
+    else:
+        cfg = {"block_n": 16, "block_k": 256, "dot": True, "num_warps": 4, "num_stages": 3}
+    cfg["split"] = None
+    return cfg
+
+
+def _split(cfg: dict[str, Any], n: int, k: int, sms: int) -> tuple[int, int]:
+    """`(splits, K values per split)`: the configured split, or the fewest splits that give `programs_per_sm`
+    programs per SM, each at least `min_split_k` long; every split but the last reads a multiple of `block_k`."""
+    block_k = cfg["block_k"]
+    split = cfg.get("split")
+    if split is None:
+        blocks = _cdiv(n, cfg["block_n"])
+        want = _cdiv(int(GEMV_TUNING["programs_per_sm"]) * sms, blocks)
+        split = max(1, min(want, k // max(int(GEMV_TUNING["min_split_k"]), block_k)))
+    k_split = _cdiv(_cdiv(k, max(1, int(split))), block_k) * block_k
+    return _cdiv(k, k_split), k_split
+
+
+def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
+    """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, else `default_config`)."""
+    found = GEMV_CONFIGS.get((n, k), {}).get(next_pow2(m))
+    return {**default_config(m, n, k, sms), **found} if found else default_config(m, n, k, sms)
+
+
+def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, Any], sms: int) -> Tensor:
+    """Launch on `x2` `[M, K]` (last axis contiguous); returns `[M, N]` in `x2`'s dtype."""
+    from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    dot = bool(cfg["dot"])
+    block_m = max(16, next_pow2(m)) if dot else next_pow2(m)
+    block_n = max(16, cfg["block_n"]) if dot else cfg["block_n"]
+    block_k = max(16, cfg["block_k"]) if dot else cfg["block_k"]
+    split, k_split = _split({**cfg, "block_n": block_n, "block_k": block_k}, n, k, sms)
+    grid = (_cdiv(n, block_n), split)
+    partial = split > 1
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if partial else out
+    bias_arg = bias if bias is not None else out
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    with launch_device(x2):
+        _gemv_fwd_kernel[grid](
+            x2, weight, bias_arg, ws, m, n, k, k_split, x2.stride(0), weight.stride(0), n, m * n,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, IEEE=x2.dtype == torch.float32,
+            PARTIAL=partial, HAS_BIAS=bias is not None and not partial, **launch)  # fmt: skip
+        if partial:
+            block = 1024
+            _gemv_reduce_kernel[(_cdiv(m * n, block),)](ws, bias_arg, out, m * n, n, split, m * n,
+                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"`weight` must be 2-D [N, K] (nn.Linear layout); got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"`x` must end in K = {weight.shape[1]} (the `weight`'s in_features); got shape "
+                         f"{tuple(x.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"`x` and `weight` must share one dtype of float16, bfloat16, float32; got {x.dtype} and "
+                         f"{weight.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"`bias` must be [{weight.shape[0]}] in {x.dtype}; got {tuple(bias.shape)} {bias.dtype}")
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[str, Any] | None = None) -> Tensor:
+    """`x @ weight.T (+ bias)` for inputs of a few rows, reading `weight` once (fp32 accumulation).
+
+    Args:
+        x (`torch.Tensor` of shape `[..., K]`): fp16 / bf16 (fp32 for tests); all leading dims are rows.
+        weight (`torch.Tensor` of shape `[N, K]`): `nn.Linear` layout, same dtype, last axis contiguous (rows at any
+            stride: a slice of a stacked buffer is read in place).
+        bias (`torch.Tensor` of shape `[N]`, *optional*): added to the fp32 sums before the cast.
+        config (`dict`, *optional*): launch settings overriding `gemv_config`'s (benchmarks, tests): `block_n`,
+            `block_k`, `split`, `dot`, `num_warps`, `num_stages`.
+
+    Returns:
+        `torch.Tensor` of shape `[..., N]` in `x`'s dtype: the Triton kernel for CUDA tensors, `ref_gemv`
+        (`F.linear`) elsewhere. Deterministic: the same inputs give the same bits on every run.
+
+    Example:
+        >>> y = gemv(torch.randn(1, 1, 64), torch.randn(96, 64))  # CPU: F.linear
+        >>> y.shape
+        torch.Size([1, 1, 96])
+    """
+    _check(x, weight, bias)
+    if not use_triton("gemv", x, weight, *([bias] if bias is not None else [])):
+        return ref_gemv(x, weight, bias)
+    k, n = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    sms = _sms(x)
+    cfg = {**gemv_config(x2.shape[0], n, k, sms), **(config or {})}
+    return _gemv_fwd(x2, w, bias.contiguous() if bias is not None else None, cfg, sms).view(*x.shape[:-1], n)
+
+
+def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether `linear` sends this call to the kernel: switched on (`GEMV_TUNING["enabled"]`), at most
+    `max_rows` rows, a shape and row class `GEMV_CONFIGS` does not give to cuBLAS (and lists, with `listed_only`),
+    fp16 / bf16 inputs and weight of one dtype on CUDA with Triton, no gradient and no tracing."""
+    if not GEMV_TUNING["enabled"] or torch.compiler.is_compiling():
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or weight.dim() != 2:
+        return False
+    if bias is not None and bias.dtype != x.dtype:
+        return False
+    k = weight.shape[1]
+    if x.dim() < 1 or x.shape[-1] != k or k == 0 or not 0 < x.numel() // k <= int(GEMV_TUNING["max_rows"]):
+        return False
+    listed = GEMV_CONFIGS.get((weight.shape[0], k), {})
+    row_class = next_pow2(x.numel() // k)
+    if listed.get(row_class, ...) is None or (GEMV_TUNING["listed_only"] and not listed.get(row_class)):
+        return False  # cuBLAS measured faster, or not measured
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the kernel has no backward
+    return use_triton("gemv", x, weight)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)`, through `gemv` when `routes` says so (the models' decode projections)."""
+    if routes(x, weight, bias):
+        return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
