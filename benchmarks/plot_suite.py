@@ -103,7 +103,13 @@ def main(argv: list[str] | None = None) -> None:
         names = [f"{c['cache']}\n{c['context']}" for c in caps]
         xs = range(len(caps))
         ax.bar([x - 0.2 for x in xs], [c.get("predicted_batch") or 0 for c in caps], 0.4, label="predicted")
-        ax.bar([x + 0.2 for x in xs], [c.get("largest_batch") or 0 for c in caps], 0.4, label="measured")
+        cut = [str(c.get("status", "")).startswith("deadline") for c in caps]
+        done = [x for x, short in zip(xs, cut) if not short]
+        ax.bar([x + 0.2 for x in done], [caps[x].get("largest_batch") or 0 for x in done], 0.4, label="measured")
+        short = [x for x, c in zip(xs, cut) if c]
+        if short:  # a search stopped by its time: its batch is a lower bound, not a result
+            ax.bar([x + 0.2 for x in short], [caps[x].get("largest_batch") or 0 for x in short], 0.4, fill=False,
+                   hatch="//", label="search cut short (lower bound)")
         ax.set_xticks(list(xs), names, fontsize=7)
         budget = sorted({c.get("budget_gib") for c in caps if c.get("budget_gib") is not None})
         ax.set_title(f"{shape}: largest batch in {', '.join(map(str, budget)) or '?'} GiB")

@@ -34,6 +34,16 @@ def _rand(shape, dtype, seed, scale=1.0):
     return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
 
 
+def _within_style(out: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -> None:
+    """STYLE.md's bound for a low-precision kernel: its error against the same math done in fp32 (`exact`) is at most
+    twice the reference's own error in that dtype. Units of the output do not bound a sum that cancels (`r + y` with
+    `r ~ -y`): a unit of `y` there is many units of the sum, and the sign may flip (the H200 failed those bounds in
+    fp16 / bf16)."""
+    own = (ref.double() - exact.double()).abs().max().item()
+    err = (out.double() - exact.double()).abs().max().item()
+    assert err <= 2 * own + 1e-6, f"kernel error {err:.3e} against fp32, the reference's own {own:.3e}"
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """Largest distance in units of the last place of `a`'s dtype (same-sign values)."""
     if a.dtype == torch.float32:
@@ -58,16 +68,9 @@ def test_rms_norm_matches_reference(dtype, n, residual):
     # residual round it again
     if dtype == torch.float32:  # (the sum's order and the square root's rounding: a few fp32 units)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    elif residual == "after":
-        # `out = r + y` rounds again where r and y cancel, so units of `out` do not bound it: STYLE's rule instead, at
-        # most twice the reference's own error in this dtype against the same math in fp64 (the H200 failed the
-        # unit bound in fp16)
-        exact = reference.ref_rms_norm(x.double(), w.double(), 1e-6, add_after=r.double())
-        own = (ref.double() - exact).abs().max().item()
-        assert (out.double() - exact).abs().max().item() <= 2 * own + torch.finfo(dtype).eps
     else:
-        assert _ulps(out, ref) <= 2
-        assert (out != ref).float().mean() < 0.05
+        exact = reference.ref_rms_norm(x.double(), w.double(), 1e-6, **{k: t.double() for k, t in kw.items()})
+        _within_style(out, ref, exact)
     if residual is not None:  # the residual is really applied where it belongs
         other = reference.ref_rms_norm(x, w, 1e-6, **{("add_after" if residual == "before" else "add_before"): r})
         assert not torch.allclose(out.float(), other.float(), atol=1e-2)
@@ -85,9 +88,13 @@ def test_rotate_half_equals_reference(dtype, shape):
     out = fused.rotate_half(x, cos, sin)
     ref = reference.ref_rotate_half(x, cos, sin)
     assert out.is_contiguous()
-    assert torch.equal(out, ref)  # elementwise, rounded where the eager code rounds: bit for bit
     strided = _rand((b, q, h * d * 2), dtype, 5)[..., : h * d].view(b, q, h, d)  # a slice of a wider projection
-    assert torch.equal(fused.rotate_half(strided, cos, sin), reference.ref_rotate_half(strided, cos, sin))
+    got_s, ref_s = fused.rotate_half(strided, cos, sin), reference.ref_rotate_half(strided, cos, sin)
+    if INTERPRET or dtype == torch.float32:  # elementwise, rounded where the eager code rounds: bit for bit
+        assert torch.equal(out, ref) and torch.equal(got_s, ref_s)
+    else:  # compiled, a multiply-add may be fused (the H200 parted by a unit in bf16): STYLE's bound
+        for o, r, t in ((out, ref, x), (got_s, ref_s, strided)):
+            _within_style(o, r, reference.ref_rotate_half(t.double(), cos.double(), sin.double()))
 
 
 @kernels
@@ -133,13 +140,14 @@ def test_rms_norm_pair_matches_reference(dtype, n, residual):
     kw = {} if residual is None else {f"add_{residual}": _rand((3, 2, n), dtype, 2)}
     h, normed = fused.rms_norm_pair(x, w, 1e-6, w2, 1e-5, **kw)
     ref_h, ref_normed = reference.ref_rms_norm_pair(x, w, 1e-6, w2, 1e-5, **kw)
-    for out, ref in ((h, ref_h), (normed, ref_normed)):
+    exact = reference.ref_rms_norm_pair(x.double(), w.double(), 1e-6, w2.double(), 1e-5,
+                                        **{k: t.double() for k, t in kw.items()})  # fmt: skip
+    for out, ref, ex in ((h, ref_h, exact[0]), (normed, ref_normed, exact[1])):
         assert out.shape == ref.shape and out.dtype == ref.dtype
         if dtype == torch.float32:
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         else:
-            assert _ulps(out, ref) <= 2
-            assert (out != ref).float().mean() < 0.05
+            _within_style(out, ref, ex)
     # the second norm reads the first's output with its own weight (not `x`, not `w`)
     assert not torch.allclose(normed.float(), reference.ref_rms_norm(x, w2, 1e-5).float(), atol=1e-2)
     assert not torch.allclose(normed.float(), reference.ref_rms_norm(ref_h, w, 1e-5).float(), atol=1e-2)
