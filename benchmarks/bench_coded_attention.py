@@ -235,6 +235,11 @@ def _graph_bench(fn, warmup=10, rep=40):
     device, without Python's launch overhead; L2 flushed before every replay by do_bench; `warmup` / `rep` in ms)."""
     import triton
 
+    return triton.testing.do_bench(capture(fn).replay, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph after two warm-up calls on a side stream (as capture wants them)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -244,7 +249,7 @@ def _graph_bench(fn, warmup=10, rep=40):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)
+    return graph
 
 
 def _call_once(fn, quantiles, warmup, rep):

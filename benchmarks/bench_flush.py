@@ -151,15 +151,9 @@ def _time(fn, device: str) -> dict[str, float]:
         return dict(graph_ms=ms, graph_ms_p20=ms, graph_ms_p80=ms, graph_warm_ms=ms, eager_ms=ms)
     import triton
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from benchmarks.bench_coded_attention import capture
+
+    graph = capture(fn)
     med, p20, p80 = triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=40)
 
     def events(call, n):
