@@ -34,6 +34,7 @@ __all__ = [
     "default_cache",
     "linear",
     "rope_span",
+    "sandwich_layer",
     "stacked_linear",
     "stacked_projection",
 ]
@@ -177,6 +178,57 @@ def attention_half(
         out[:, a:e] = piece
         del piece
     return cast("torch.Tensor", out)
+
+
+def sandwich_layer(
+    state: LoopForward,
+    slot: int,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, ...],
+    *,
+    project: Any,
+    out_proj: nn.Module,
+    mlp: Any,
+    norms: tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm],
+    residual: str,
+    next_norm: RMSNorm | None = None,
+) -> torch.Tensor:
+    """A "sandwich" layer call of both native models: `h = x (+) norm_2(out_proj(attn(norm_1(x))))`, then
+    `out = h (+) norm_4(mlp(norm_3(h)))`, where `(+)` adds the residual before the norm (`residual="before"`,
+    Huginn's blocks: `norm(a + r)`) or after it (`"after"`, Ouro's layers: `r + norm(a)`).
+
+    With an input of one piece (`one_piece`: decode steps, short inputs) each residual norm runs as one kernel with the
+    norm that reads its output (`RMSNorm.then`: `norm_2` with `norm_3`, and `norm_4` with `next_norm`, whose output is
+    left in `state` for its reader: `LoopForward.pass_normed`); `norm_1` takes what the previous call left for `x`
+    (`LoopForward.take_normed`). A longer input runs the attention half over query pieces (`attention_half`) and the
+    MLP half by token chunks, each norm on its own.
+
+    Args:
+        project: `project(normed, cos, sin) -> (q, k, v)` of the layer's attention (norm applied by the caller).
+        out_proj (`nn.Module`): the attention's output projection (run through `linear`).
+        mlp: the MLP (normed input -> output).
+        norms: `(norm_1, norm_2, norm_3, norm_4)` in the order the layer runs them.
+        residual (`str`): `"before"` or `"after"`.
+        next_norm (`RMSNorm`, *optional*): the norm that reads this call's output (the next layer's `norm_1`, the model
+            norm after the last), chained when the input is of one piece.
+    """
+    norm_1, norm_2, norm_3, norm_4 = norms
+    key = {"before": "add_before", "after": "add_after"}[residual]
+
+    def project_piece(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        normed = state.take_normed(piece)
+        return project(norm_1(piece) if normed is None else normed, *rope_span(rope, a, e))
+
+    b, t = x.shape[:2]
+    if one_piece(b, t):
+        h, normed = attention_half(
+            state, slot, x, project_piece, lambda o, piece: norm_2.then(linear(out_proj, o), norm_3, **{key: piece})
+        )
+        if next_norm is not None:
+            return state.pass_normed(*norm_4.then(mlp(normed), next_norm, **{key: h}))
+        return norm_4(mlp(normed), **{key: h})
+    h = attention_half(state, slot, x, project_piece, lambda o, piece: norm_2(linear(out_proj, o), **{key: piece}))
+    return by_token_chunks(lambda t: norm_4(mlp(norm_3(t)), **{key: t}), h, out=h)
 
 
 def rope_span(rope: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[torch.Tensor, ...]:

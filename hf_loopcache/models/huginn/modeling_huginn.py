@@ -40,13 +40,12 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
-    attention_half,
     by_token_chunks,
     check_num_loops,
     default_cache,
     linear,
     one_piece,
-    rope_span,
+    sandwich_layer,
 )
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
 from triton_ops import fused
@@ -134,29 +133,10 @@ class SandwichBlock(nn.Module):
         """The block's output `[B, q, n_embd]`. With `next_norm` and an input of one piece (`b * q <= TOKEN_CHUNK`),
         `next_norm(out)` comes from the same kernel as `out` (on CUDA) and is left in `state` for its reader
         (`LoopForward.pass_normed`); `norm_1` takes what the previous call left for `x`."""
-        attn = self.attn
-
-        def project(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            normed = state.take_normed(piece)
-            return attn.project(self.norm_1(piece) if normed is None else normed, *rope_span(rope, a, e))
-
-        b, t = x.shape[:2]
-        if one_piece(b, t):  # both halves in one call (decode steps, short inputs): each residual norm runs as one
-            # kernel with the norm that reads its output (on CUDA)
-            h, normed = attention_half(
-                state,
-                slot,
-                x,
-                project,
-                lambda o, piece: self.norm_2.then(linear(attn.proj, o), self.norm_3, add_before=piece),
-            )
-            if next_norm is not None:
-                return state.pass_normed(*self.norm_4.then(self.mlp(normed), next_norm, add_before=h))
-            return self.norm_4(self.mlp(normed), add_before=h)
-        h = attention_half(
-            state, slot, x, project, lambda o, piece: self.norm_2(linear(attn.proj, o), add_before=piece)
-        )
-        return by_token_chunks(lambda t: self.norm_4(self.mlp(self.norm_3(t)), add_before=t), h, out=h)
+        return sandwich_layer(
+            state, slot, x, rope, project=self.attn.project, out_proj=self.attn.proj, mlp=self.mlp,
+            norms=(self.norm_1, self.norm_2, self.norm_3, self.norm_4), residual="before", next_norm=next_norm,
+        )  # fmt: skip
 
 
 def _norm_chain(blocks: Any, last: RMSNorm | None, short: bool) -> list[RMSNorm | None]:

@@ -33,13 +33,12 @@ from hf_loopcache.models._common import (
     LoopGenerationMixin,
     OutputFlags,
     RMSNorm,
-    attention_half,
     by_token_chunks,
     check_num_loops,
     default_cache,
     linear,
     one_piece,
-    rope_span,
+    sandwich_layer,
     stacked_linear,
     stacked_projection,
 )
@@ -143,35 +142,12 @@ class OuroDecoderLayer(nn.Module):
         """The layer's output `[B, q, hidden]`. With `next_norm` and an input of one piece (`b * q <= TOKEN_CHUNK`),
         `next_norm(out)` comes from the same kernel as `out` (on CUDA) and is left in `state` for its reader
         (`LoopForward.pass_normed`); the input norm takes what the previous call left for `x`."""
-        attn = self.self_attn
-
-        def project(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            normed = state.take_normed(piece)
-            return attn.project(self.input_layernorm(piece) if normed is None else normed, *rope_span(rope, a, e))
-
-        b, t = x.shape[:2]
-        if one_piece(b, t):  # both halves in one call (decode steps, short inputs): each residual norm runs as one
-            # kernel with the norm that reads its output (on CUDA)
-            h, normed = attention_half(
-                state,
-                slot,
-                x,
-                project,
-                lambda o, piece: self.input_layernorm_2.then(
-                    linear(attn.o_proj, o), self.post_attention_layernorm, add_after=piece
-                ),
-            )
-            if next_norm is not None:
-                return state.pass_normed(
-                    *self.post_attention_layernorm_2.then(self.mlp(normed), next_norm, add_after=h)
-                )
-            return self.post_attention_layernorm_2(self.mlp(normed), add_after=h)
-        h = attention_half(
-            state, slot, x, project, lambda o, piece: self.input_layernorm_2(linear(attn.o_proj, o), add_after=piece)
-        )
-        return by_token_chunks(
-            lambda t: self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(t)), add_after=t), h, out=h
-        )
+        return sandwich_layer(
+            state, slot, x, rope, project=self.self_attn.project, out_proj=self.self_attn.o_proj, mlp=self.mlp,
+            norms=(self.input_layernorm, self.input_layernorm_2, self.post_attention_layernorm,
+                   self.post_attention_layernorm_2),
+            residual="after", next_norm=next_norm,
+        )  # fmt: skip
 
 
 class OuroPreTrainedModel(PreTrainedModel):
