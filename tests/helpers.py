@@ -143,3 +143,37 @@ def stand_in_graphs(monkeypatch) -> None:
     monkeypatch.setattr(DecodeGraphs, "_capturable", lambda self, ids: True)
     monkeypatch.setattr(DecodeGraphs, "_warm_up", lambda self, fn: fn())
     monkeypatch.setattr(DecodeGraphs, "_record", record)
+
+
+def compile_for_sm90(
+    fn, constexprs: dict, pointers: dict[str, str], *, floats: tuple[str, ...] = (), aligned: tuple[str, ...] = (),
+    **options,
+):
+    """Compile the `@triton.jit` kernel `fn` for sm_90 with Triton's own compiler and ptxas, on any machine (no GPU):
+    the interpreter runs Python, not the compiler, which rejects code the interpreter accepts. `pointers` names each
+    `*_ptr` argument's element type (`"bf16"`, `"i64"`, ...), `floats` the fp32 scalars (other scalars are i32),
+    `aligned` the arguments given 16-byte divisibility (as a launch with aligned tensors and sizes specialises them);
+    `options` are launch options (`num_warps`, `num_stages`). Skips the test when this Triton build has no ptxas."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def kind(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name.endswith("_ptr"):
+            return "*" + pointers[name]
+        return "fp32" if name in floats else "i32"
+
+    signature = {name: kind(name) for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    except RuntimeError as err:
+        if "ptxas" in str(err).lower():
+            pytest.skip(str(err).splitlines()[0])
+        raise

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers import compile_for_sm90
 from tests.ops.test_quant_kernels import _data, _same_bits
 from triton_ops.quant import QuantizedKeys, QuantizedValues, flush_page, naive
 
@@ -331,11 +332,6 @@ def test_flush_kernel_compiles_for_sm90(nbits, coded):
     """The interpreter runs Python, not Triton's compiler (which, e.g., needs one type per name across a branch):
     compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels, pages and groups of
     32, a validity mask, with and without the `coded` slots and the cell table), with no GPU."""
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from triton_ops.quant.kernels import _flush_page_fwd_kernel as fn
 
     consts = dict(D=128, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=16 * nbits, BLOCK_NG=4, BLOCK_K=8,
@@ -343,14 +339,7 @@ def test_flush_kernel_compiles_for_sm90(nbits, coded):
     ptr = dict(k_ptr="bf16", v_ptr="bf16", slots_ptr="i64", valid_ptr="i1", due_ptr="i1", start_ptr="i64",
                floor_ptr="i64", page_ptr="i64", codes_ptr="u8", kscale_ptr="fp16", kzero_ptr="fp16", hi_ptr="u8",
                lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16", coded_ptr="i32", table_ptr="i64")  # fmt: skip
-    sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    except RuntimeError as err:  # no ptxas in this Triton build
-        if "ptxas" in str(err).lower():
-            pytest.skip(str(err).splitlines()[0])
-        raise
-    assert kernel.asm.get("cubin")
+    assert compile_for_sm90(fn, consts, ptr).asm.get("cubin")
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
@@ -359,11 +348,6 @@ def test_flush_kernel_compiles_for_sm90(nbits, coded):
 def test_quantize_kernels_compile_for_sm90(kind, nbits):
     """The page quantizers (which share their group-code helpers with the static flush) compile for sm_90 as a
     prefill launches them (bf16, Ouro's 128 channels, pages and groups of 32), with no GPU."""
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from triton_ops.quant import kernels
 
     if kind.startswith("keys"):
@@ -374,11 +358,4 @@ def test_quantize_kernels_compile_for_sm90(kind, nbits):
         fn = kernels._quantize_values_fwd_kernel
         consts = dict(D=128, NBITS=nbits, GROUP=32, BLOCK_T=16, BLOCK_NG=4, BLOCK_K=8)
         ptr = dict(x_ptr="bf16", hi_ptr="u8", lo_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
-    sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    except RuntimeError as err:  # no ptxas in this Triton build
-        if "ptxas" in str(err).lower():
-            pytest.skip(str(err).splitlines()[0])
-        raise
-    assert kernel.asm.get("cubin")
+    assert compile_for_sm90(fn, consts, ptr).asm.get("cubin")

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers import compile_for_sm90
 from triton_ops import fused
 from triton_ops.fused import ops, reference
 
@@ -232,11 +233,6 @@ def test_rms_norm_pair_off_cuda_is_the_two_norms_bit_for_bit():
 def test_fused_kernels_compile_for_sm90(kernel):
     """The interpreter runs Python, not Triton's compiler: compile the kernels for sm_90 as a decode step launches them
     (bf16, Ouro's hidden 2048 and 128 channels; Huginn's 96 in a ring), with no GPU."""
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from triton_ops.fused import kernels
 
     if kernel == "rms_norm_pair":
@@ -247,18 +243,8 @@ def test_fused_kernels_compile_for_sm90(kernel):
         fn = kernels._write_kv_kernel
         consts = dict(D=96, BLOCK_D=128, HAS_MODULO=True, HAS_SINK=True)
         floats = ()
-    ptr = {"pos_ptr": "*i64"}
-    sig = {
-        a: "constexpr" if a in consts else ptr.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a in floats
-        else "i32"
-        for a in fn.arg_names
-    }
-    try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    except RuntimeError as err:  # no ptxas in this Triton build
-        if "ptxas" in str(err).lower():
-            pytest.skip(str(err).splitlines()[0])
-        raise
+    ptr = {a: "i64" if a == "pos_ptr" else "bf16" for a in fn.arg_names if a.endswith("_ptr")}
+    compiled = compile_for_sm90(fn, consts, ptr, floats=floats)
     assert compiled.asm.get("cubin")
 
 

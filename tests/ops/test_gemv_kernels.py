@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers import compile_for_sm90
 from triton_ops import gemv as gemv_pkg
 from triton_ops.gemv import GEMV_TUNING, gemv, ops, ref_gemv
 
@@ -106,11 +107,6 @@ def test_gemv_split_rule_fills_the_sms(on_cpu):
 def test_gemv_kernel_compiles_for_sm90(dot, partial):
     """The interpreter runs Python, not Triton's compiler: compile both paths for sm_90 as a bf16 decode step
     launches them (aligned pointers and sizes: vectorized loads), and the reduce kernel, with no GPU."""
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
 
     consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=16 if dot else 8, BLOCK_K=256 if dot else 512, USE_DOT=dot,
@@ -118,21 +114,9 @@ def test_gemv_kernel_compiles_for_sm90(dot, partial):
     ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32")
     aligned = {"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
                "stride_om", "stride_os"}  # fmt: skip
-    target = GPUTarget("cuda", 90, 32)
-
-    def build(fn, consts, ptr, **options):
-        sig = {n: "constexpr" if n in consts else "*" + ptr[n] if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        return triton.compile(src, target=target, options=options)
-
-    try:
-        kernel = build(_gemv_fwd_kernel, consts, ptr, num_warps=4, num_stages=3)
-        reduce = build(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024), {**ptr, "out_ptr": "bf16"}, num_warps=4)
-    except RuntimeError as err:  # no ptxas in this Triton build
-        if "ptxas" in str(err).lower():
-            pytest.skip(str(err).splitlines()[0])
-        raise
+    kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=4, num_stages=3)
+    reduce = compile_for_sm90(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024), {**ptr, "out_ptr": "bf16"},
+                              aligned=aligned, num_warps=4)  # fmt: skip
     assert kernel.asm.get("cubin") and reduce.asm.get("cubin")
     ptx = kernel.asm["ptx"]
     assert ("mma" in ptx) == dot
