@@ -7,7 +7,9 @@ the instructions of the history loop (the body of the hottest backward branch) b
 element (`NP * 32` tokens x 128 channels per step).
 
     python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec [--vpipe 1 [--scores 1] [--unroll 1]]]
-        [--sass out.sass]
+        [--sub 2] [--maxnreg 168] [--sass out.sass]
+
+`bar` / `shfl`: BAR / SHFL instructions per step; `programs_per_sm`: resident programs per SM by registers.
 
 `ldg_use_distance`: for each global load of the loop, how many instructions later the first instruction that reads
 it issues (across the back-edge; a register copy counts): a load read soon after its issue stalls the warp.
@@ -24,7 +26,7 @@ import subprocess
 import tempfile
 
 
-def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", extra=None):
+def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", extra=None, maxnreg=None):
     """The cubin (bytes) and metadata of the fwd kernel's one-row path at these settings."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -66,7 +68,10 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
             raise ValueError(f"`extra` names {k!r}, not a kernel argument")
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", 90, 128)
-    kernel = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg  # ptxas's register cap (`ROW1_TUNING["maxnreg"]`)
+    kernel = triton.compile(src, target=target, options=options)
     return kernel.asm["cubin"], kernel.metadata
 
 
@@ -146,8 +151,15 @@ def load_use_distances(loop):
     return out
 
 
-def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None):
-    cubin, meta = compile_row1(fmt, pages, warps, stages, vprec, dtype, extra)
+def programs_per_sm(regs: int, warps: int) -> int:
+    """Resident programs per SM of sm_90 allowed by registers (64K per SM, allocated per warp in units of 256) and by
+    the 64 warps / 32 blocks an SM holds (shared memory is not a limit of this loop)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 64 // warps, 32)
+
+
+def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None, maxnreg=None):
+    cubin, meta = compile_row1(fmt, pages, warps, stages, vprec, dtype, extra, maxnreg)
     sass = sass_of(cubin)
     if sass_path:
         with open(sass_path, "w") as f:
@@ -162,7 +174,7 @@ def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_pa
             skip.update(a for a, _, _ in loop if addr < a < int(m.group(1), 16))
     loop = [x for x in loop if x[0] not in skip]
     ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-    elements = 2 * pages * 32 * 128  # key and value code elements of one step
+    elements = 2 * pages * 32 * 128 // (extra or {}).get("SUB", 1)  # key and value code elements of one step
     res = sass_of(cubin, "--dump-resource-usage")
     n_regs = int(re.search(r"REG:(\d+)", res).group(1))
     n_spills = int(re.search(r"STACK:(\d+)", res).group(1))
@@ -171,6 +183,8 @@ def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_pa
     return dict(
         fmt=fmt, pages=pages, warps=warps, vprec=vprec, dtype=dtype, total=len(ins), loop=len(loop),
         per_element=len(loop) * warps * 32 / elements, regs=n_regs, stack=n_spills, local_ins=stl,
+        loop_local=ops.get("LDL", 0) + ops.get("STL", 0), bar=ops.get("BAR", 0), shfl=ops.get("SHFL", 0),
+        programs_per_sm=programs_per_sm(n_regs, warps),
         ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None),
         ldg_ops=[op for _, op, _ in loop if op.startswith("LDG")],
         ldg_use_distance=[d for _, _, d in load_use_distances(loop)], ops=dict(ops.most_common(16)),
@@ -191,11 +205,14 @@ def main(argv=None):
         "--scores", type=int, default=0, help="1: v5's value pass over stored scores (SCORES + READ_PREFIX; --vpipe 1)"
     )
     p.add_argument("--unroll", type=int, default=0, help="1: v5's loop two steps per iteration (VUNROLL; --vpipe 1)")
+    p.add_argument("--maxnreg", type=int, default=None, help="ptxas's register cap per thread (`ROW1_TUNING['maxnreg']`)")
+    p.add_argument("--sub", type=int, default=1, help="v6: steps per page (SUB, `ROW1_TUNING['sub']`; --pages 1)")
     p.add_argument("--sass", default=None, help="write the whole SASS here")
     a = p.parse_args(argv)
     extra = {"WORDS": bool(a.words), "VPIPE": bool(a.vpipe), "SCORES": bool(a.scores), "READ_PREFIX": bool(a.scores)}
     extra["VUNROLL"] = bool(a.unroll)
-    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra)
+    extra["SUB"] = a.sub
+    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra, a.maxnreg)
     for k, v in r.items():
         print(f"{k}: {v}")
 

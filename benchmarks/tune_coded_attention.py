@@ -11,7 +11,9 @@ microseconds and TB/s of bytes read (the same byte count as `bench_coded_attenti
 
 A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5; `scores+unroll` / `pipe+unroll` add
 `vprec_unroll`): `--configs 1,2,1,8,1,scores 1,2,1,8,1,v4 --providers int4 int4-vprec` times int4 once and V
-precision in both modes.
+precision in both modes. Fields `key=value` set any other `ROW1_TUNING` key (v6, session 13):
+`--configs 1,2,1,8,1 1,1,1,8,1,sub=2 1,2,1,8,1,maxnreg=168` times v4, half-page steps at one warp, and v4 capped at
+168 registers per thread.
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument(
         "--configs", nargs="+", default=["4,4,1,4"],
-        help="pages,num_warps,num_stages,programs_per_sm[,words[,vprec]] (vprec: v4 / pipe / scores)",
+        help="pages,num_warps,num_stages,programs_per_sm[,words[,vprec]][,key=value...] (vprec: v4 / pipe / scores;"
+        " key=value: any other ROW1_TUNING key, e.g. sub=2,maxnreg=168,tail_chunk=64)",
     )  # fmt: skip
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
@@ -172,13 +175,16 @@ def main(argv=None):
     print(f"data {time.time() - t0:.1f}s", flush=True)
     configs = []
     for c in args.configs:
-        fields = c.split(",")
+        fields = [f for f in c.split(",") if "=" not in f]
+        extras = [f.partition("=")[::2] for f in c.split(",") if "=" in f]  # v6: any ROW1_TUNING key, `sub=2`
         pg, nw, st, ps, *wd = (int(x) for x in fields[:5])
         tune = dict(enabled=True, pages=pg, num_warps=nw, num_stages=st, programs_per_sm=ps, words=bool(wd and wd[0]))
         if len(fields) > 5:  # ops.VPREC_MODES, "+unroll" for `vprec_unroll`; changes only the int4-vprec provider
             mode, _, extra = fields[5].partition("+")
             tune["vprec"] = mode
             tune["vprec_unroll"] = extra == "unroll"
+        for k, v in extras:
+            tune[k] = None if v == "none" else int(v) if v.lstrip("-").isdigit() else v
         configs.append((c, tune))
     if args.baseline:
         configs.insert(0, ("v2", dict(enabled=False)))

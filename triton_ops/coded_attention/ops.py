@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
-    "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False,
+    "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "maxnreg": None,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -49,7 +49,13 @@ and counts: `benchmarks/notes_coded_attention.md`).
 `benchmarks/results/coded_attention_h200_v5_vprec.json`); `vprec_fill`: with `"scores"`, the row blocks per SM from
 which V precision keeps one split per row block, and then runs v4's loop (at 8K x 64 `pipe`'s loop took 1,068 us,
 v4's 969);
-`vprec_unroll`: v5's loop with two steps per iteration (key inputs loaded a step further ahead; not yet timed)."""
+`vprec_unroll`: v5's loop with two steps per iteration (key inputs loaded a step further ahead; not yet timed).
+
+v6 (session 13, occupancy; not yet timed, so the defaults keep v4's loop): `sub`: steps per page (1, 2, 4; > 1 needs
+`pages` 1) of the word path without V precision (`kernels._codes_history_row1s`): a step reads `PAGE // sub` tokens,
+so `num_warps` 1 holds per thread what 2 warps hold at one page per step and no reduction waits on another warp;
+`maxnreg`: ptxas's register cap per thread (None: Triton's default, 255), e.g. 168 for 6 two-warp programs per SM
+(of the registers' 64K) instead of 4. Counts and predictions: `benchmarks/notes_coded_attention.md`, v6."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -148,6 +154,12 @@ def _coded_attention_fwd(
     if vmode not in VPREC_MODES:
         raise ValueError(f"`tuning['vprec']` must be one of {VPREC_MODES}, got {vmode!r}")
     vpipe = use_vprec and words and vmode in ("pipe", "scores")
+    sub = tune.get("sub", 1)
+    if sub not in (1, 2, 4) or (sub > 1 and tune["pages"] != 1):
+        raise ValueError(f"`tuning['sub']` must be 1, 2 or 4 (more than 1 with `tuning['pages']` 1), got {sub!r}")
+    maxnreg = tune.get("maxnreg")
+    if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
+        raise ValueError(f"`tuning['maxnreg']` must be None or an int in [24, 255], got {maxnreg!r}")
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
     if vpipe and tune.get("vprec_unroll"):
         step *= 2  # two steps per iteration (`kernels._codes_history_row1p`, VUNROLL)
@@ -267,10 +279,13 @@ def _coded_attention_fwd(
             VPIPE=vpipe,
             SCORES=scores,
             VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
+            SUB=sub if words and not use_vprec else 1,
         )
 
     if row1:
         launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]}
+        if maxnreg is not None:
+            launch["maxnreg"] = maxnreg  # v6: more programs per SM by registers (`ROW1_TUNING`)
     elif not fmt:
         launch = {"num_warps": dense["num_warps"], "num_stages": dense["num_stages"]}
     else:
