@@ -207,11 +207,13 @@ def main(argv=None):
     p.add_argument("--unroll", type=int, default=0, help="1: v5's loop two steps per iteration (VUNROLL; --vpipe 1)")
     p.add_argument("--maxnreg", type=int, default=None, help="ptxas's register cap per thread (`ROW1_TUNING['maxnreg']`)")
     p.add_argument("--sub", type=int, default=1, help="v6: steps per page (SUB, `ROW1_TUNING['sub']`; --pages 1)")
+    p.add_argument("--sub-stages", type=int, default=0, help="v6: SUB_STAGES (`ROW1_TUNING['sub_stages']`)")
     p.add_argument("--sass", default=None, help="write the whole SASS here")
     a = p.parse_args(argv)
     extra = {"WORDS": bool(a.words), "VPIPE": bool(a.vpipe), "SCORES": bool(a.scores), "READ_PREFIX": bool(a.scores)}
     extra["VUNROLL"] = bool(a.unroll)
     extra["SUB"] = a.sub
+    extra["SUB_STAGES"] = a.sub_stages
     r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra, a.maxnreg)
     for k, v in r.items():
         print(f"{k}: {v}")

@@ -255,6 +255,7 @@ def test_row1_settings_match_reference(case, dtype, setting):
 OCC_SETTINGS = {
     "v6-sub2-w1": {"sub": 2, "num_warps": 1}, "v6-sub4-w1": {"sub": 4, "num_warps": 1},
     "v6-sub2-maxnreg": {"sub": 2, "num_warps": 1, "maxnreg": 168}, "v6-maxnreg": {"maxnreg": 168},
+    "v6-stages3": {"sub_stages": 3}, "v6-sub2-stages3-w1": {"sub": 2, "sub_stages": 3, "num_warps": 1},
 }  # fmt: skip
 OCC_CASES = list({c.id(): c for c in (dataclasses.replace(c, vprec=False) for c in ROW1_CASES)}.values())
 
@@ -263,9 +264,10 @@ OCC_CASES = list({c.id(): c for c in (dataclasses.replace(c, vprec=False) for c 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("setting", list(OCC_SETTINGS))
 def test_row1_occupancy_settings_match_reference(case, dtype, setting):
-    """v6 (`ROW1_TUNING["sub"]`, `["maxnreg"]`): the word path without V precision in steps of half or a quarter page
-    (`kernels._codes_history_row1s`: splits of 1-4 pages, odd page counts, padding, INT2, a borrowed history) and
-    with a register cap (a launch option; the interpreter runs the same code)."""
+    """v6 (`ROW1_TUNING["sub"]`, `["sub_stages"]`, `["maxnreg"]`): the word path without V precision in steps of half
+    or a quarter page (`kernels._codes_history_row1s`: splits of 1-4 pages, odd page counts, padding, INT2, a borrowed
+    history), its loop loading each step's own tiles (`tl.range` stages), and with a register cap (a launch option;
+    the interpreter runs the same code)."""
     _check(case, dtype, tuning=OCC_SETTINGS[setting])
 
 
@@ -274,6 +276,9 @@ def test_row1_occupancy_settings_are_validated():
     for bad in ({"sub": 3}, {"sub": 8}, {"sub": 2, "pages": 2}):
         with pytest.raises(ValueError, match=r"tuning\['sub'\]"):
             _run_kernel(data, tuning=bad)
+    for bad in (1, 5, "3"):
+        with pytest.raises(ValueError, match=r"tuning\['sub_stages'\]"):
+            _run_kernel(data, tuning={"sub_stages": bad})
     for bad in (16, 300, 168.0):
         with pytest.raises(ValueError, match=r"tuning\['maxnreg'\]"):
             _run_kernel(data, tuning={"maxnreg": bad})
@@ -428,8 +433,8 @@ def test_running_max_crosses_splits():
 @pytest.mark.parametrize(
     "tune",
     [{"words": False}, {"words": True}, {"vprec": "pipe"}, {"vprec": "scores"}, {"vprec": "pipe", "vprec_unroll": 1},
-     {"sub": 2, "num_warps": 1}, {"sub": 4}],
-    ids=["bytes", "words", "v5-pipe", "v5-scores", "v5-pipe-unroll", "v6-sub2", "v6-sub4"],
+     {"sub": 2, "num_warps": 1}, {"sub": 4}, {"sub_stages": 3}],
+    ids=["bytes", "words", "v5-pipe", "v5-scores", "v5-pipe-unroll", "v6-sub2", "v6-sub4", "v6-stages3"],
 )  # fmt: skip
 @pytest.mark.parametrize("vprec", [False, True], ids=["both-planes", "vprec"])
 def test_late_maximum_moves_the_softmax_reference(vprec, tune):

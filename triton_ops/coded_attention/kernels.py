@@ -561,29 +561,106 @@ def _codes_history_row1w(
 
 
 @triton.jit
+def _row1s_tiles(hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr, stride_hkt, stride_hksp, stride_hvt,
+                 stride_hvst, t0, limit, p_end, D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr,
+                 KV_FMT: tl.constexpr, TS: tl.constexpr):  # fmt: skip
+    """One step's tiles of `_codes_history_row1s` (tokens `t0 .. t0 + TS`, masked at `limit`; the page's key scale /
+    zero masked past `p_end`): key words [1, TS, DW], value words [TS, NG, VW] (hi, lo), value scale / zero [TS, NG]."""
+    DW: tl.constexpr = D // (32 // KV_FMT)
+    NG: tl.constexpr = D // VGROUP
+    VW: tl.constexpr = VGROUP // 16
+    o_np = tl.arange(0, 1)
+    o_t1 = t0 + tl.arange(0, TS)
+    m_t1 = o_t1 < limit
+    o_pg = t0 // PAGE + o_np
+    o_d = tl.arange(0, D)
+    o_g = tl.arange(0, NG)
+    o_gu = (o_g[:, None] * VW + tl.arange(0, VW)[None, :])[None, :, :]
+    b_kw = tl.load(hk_ptr + o_t1[None, :, None] * stride_hkt + tl.arange(0, DW)[None, None, :],
+                   mask=m_t1[None, :, None], other=0)  # fmt: skip
+    b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+    b_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+    o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
+    b_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+    if KV_FMT == 4:
+        b_vl = tl.load(hvl_ptr + o_v3, mask=m_t1[:, None, None], other=0)
+    else:
+        b_vl = b_vh
+    o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
+    b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+    b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+    return b_kw, b_ks, b_kz, b_vh, b_vl, b_vs, b_vz
+
+
+@triton.jit
+def _row1s_step(
+    b_kw, b_ksf, b_kz, b_vh, b_vl, b_vs, b_vz, b_q, b_qk, one, p_valid, stride_validt, hist_start, t0, limit, b_mr,
+    b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+    KV_FMT: tl.constexpr, TS: tl.constexpr, USE_VALID: tl.constexpr, FAST: tl.constexpr,
+):
+    """One step of `_codes_history_row1s` (`_codes_history_row1w`'s plain step): scores, the lazy softmax reference,
+    the value sums; returns the updated reference and per-thread sums."""
+    o_t2 = (t0 + tl.arange(0, TS))[None, :]  # [1, TS] history token index
+    m_vis = o_t2 < limit
+    b_s = _wscores(b_kw, b_ksf, b_kz, b_q, b_qk, one, KV_FMT, FAST)  # [1, TS]
+    if USE_VALID:
+        b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
+        m_vis = m_vis & b_valid
+    b_s = tl.where(m_vis, b_s, float("-inf"))
+    b_mx = tl.max(tl.max(b_s, axis=1), axis=0)
+    if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
+        b_alpha = tl.exp2(b_mr - b_mx)
+        b_lv *= b_alpha
+        a0, a1, a2, a3, a4, a5, a6, a7 = (
+            a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha, a6 * b_alpha,
+            a7 * b_alpha,
+        )  # fmt: skip
+        c0, c1, c2, c3, c4, c5, c6, c7 = (
+            c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha, c6 * b_alpha,
+            c7 * b_alpha,
+        )  # fmt: skip
+        b_az *= b_alpha
+        b_wsum *= b_alpha
+        b_mr = b_mx
+    b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [1, TS], 0 where not read
+    b_lv += b_p
+    b_p1 = tl.reshape(b_p, [TS])
+    b_w = b_p1[:, None] * b_vs.to(tl.float32)  # [TS, NG]: p * scale
+    b_az += b_p1[:, None] * b_vz.to(tl.float32)
+    if FAST:
+        b_wsum += b_w
+    b_w3 = b_w[:, :, None]
+    if KV_FMT == 4:
+        b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
+        b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
+    return b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _codes_history_row1s(
     b_q, o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr,
     stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, nh, hist_start, p_begin, p_end,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, TS: tl.constexpr,
-    USE_VALID: tl.constexpr, FAST: tl.constexpr,
+    USE_VALID: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr,
 ):
     """v6 (session 13, `ROW1_TUNING["sub"]`): `_codes_history_row1w`'s loop without V precision over steps of `TS`
     tokens, a part of one page (`PAGE // TS` steps per page; each step reloads its page's key scale / zero, an L1
     hit after the first). A step's tiles and per-thread sums are `TS / PAGE` of a page step's, so one warp per
     program holds what two warps hold at one page per step: every reduction and layout conversion of a step stays in
     one warp (its `bar.sync` waits for no other warp) and the SM holds twice the independent programs at the same
-    registers per thread. Same tiles, prefetch, field reads and results as `_codes_history_row1w`."""
+    registers per thread. `STAGES` 0: the next step's tiles are loaded into registers at the top of each step (v4's
+    prefetch); >= 2 (`ROW1_TUNING["sub_stages"]`): each step loads its own tiles in a `tl.range(num_stages=STAGES)`
+    loop, which Triton's pipeliner may turn into asynchronous copies `STAGES - 1` steps ahead through shared memory
+    (bytes in flight without registers). Same field reads and results as `_codes_history_row1w`."""
     LANES: tl.constexpr = 32 // KV_FMT
-    DW: tl.constexpr = D // LANES
     NG: tl.constexpr = D // VGROUP
     VW: tl.constexpr = VGROUP // 16
-    o_np = tl.arange(0, 1)  # one page per step: `[1, ..]` tiles, the shapes `_wscores` takes
-    o_pt = tl.arange(0, TS)
-    o_w = tl.arange(0, DW)
     o_d = tl.arange(0, D)
-    o_g = tl.arange(0, NG)
-    o_u = tl.arange(0, VW)
-    o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]  # [1, NG, VW] word of the value plane
     limit = tl.minimum(nh, p_end * PAGE)
     t_end = p_end * PAGE
     b_mr = tl.max(tl.full([1], float("-inf"), dtype=tl.float32), axis=0)
@@ -598,81 +675,35 @@ def _codes_history_row1s(
         b_qk = b_q * (1 << (8 - KV_FMT * ((o_d % LANES) % (8 // KV_FMT)))).to(tl.float32)
     else:
         b_qk = b_q
-    # the first step's tiles (the loop loads the next step's at its top)
-    o_t1 = p_begin * PAGE + o_pt
-    o_pg = p_begin + o_np
-    n_kw = tl.load(hk_ptr + o_t1[None, :, None] * stride_hkt + o_w[None, None, :], mask=(o_t1 < limit)[None, :, None],
-                   other=0)  # fmt: skip
-    n_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
-    n_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
-    o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-    n_vh = tl.load(hv_ptr + o_v3, mask=(o_t1 < limit)[:, None, None], other=0)
-    if KV_FMT == 4:
-        n_vl = tl.load(hvl_ptr + o_v3, mask=(o_t1 < limit)[:, None, None], other=0)
+    if STAGES > 0:
+        for t0 in tl.range(p_begin * PAGE, t_end, TS, num_stages=STAGES):
+            b_kw, b_ks, b_kz, b_vh, b_vl, b_vs, b_vz = _row1s_tiles(
+                hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr, stride_hkt, stride_hksp, stride_hvt,
+                stride_hvst, t0, limit, p_end, D, PAGE, VGROUP, KV_FMT, TS,
+            )  # fmt: skip
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _row1s_step(
+                b_kw, b_ks, b_kz, b_vh, b_vl, b_vs, b_vz, b_q, b_qk, one, p_valid, stride_validt, hist_start, t0,
+                limit, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+                KV_FMT, TS, USE_VALID, FAST,
+            )  # fmt: skip
     else:
-        n_vl = n_vh
-    o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-    n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
-    n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
-    for t0 in range(p_begin * PAGE, t_end, TS):
-        b_kw, b_ksf, b_kz = n_kw, n_ks, n_kz
-        b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
-        # the next step's tiles, in flight while this step computes (masked off past the split's end)
-        o_t1n = t0 + TS + o_pt
-        m_t1n = o_t1n < limit
-        o_pgn = (t0 + TS) // PAGE + o_np
-        n_kw = tl.load(hk_ptr + o_t1n[None, :, None] * stride_hkt + o_w[None, None, :], mask=m_t1n[None, :, None],
-                       other=0)  # fmt: skip
-        m_pgn = (o_pgn < p_end)[:, None]
-        n_ks = tl.load(hks_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=m_pgn, other=0.0)
-        n_kz = tl.load(hkz_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=m_pgn, other=0.0)
-        o_v3n = o_t1n[:, None, None] * stride_hvt + o_gu
-        n_vh = tl.load(hv_ptr + o_v3n, mask=m_t1n[:, None, None], other=0)
-        if KV_FMT == 4:
-            n_vl = tl.load(hvl_ptr + o_v3n, mask=m_t1n[:, None, None], other=0)
-        else:
-            n_vl = n_vh
-        o_s2n = o_t1n[:, None] * stride_hvst + o_g[None, :]
-        n_vs = tl.load(hvs_ptr + o_s2n, mask=m_t1n[:, None], other=0.0)
-        n_vz = tl.load(hvz_ptr + o_s2n, mask=m_t1n[:, None], other=0.0)
-        o_t2 = (t0 + o_pt)[None, :]  # [1, TS] history token index
-        m_vis = o_t2 < limit
-        b_s = _wscores(b_kw, b_ksf, b_kz, b_q, b_qk, one, KV_FMT, FAST)  # [1, TS]
-        if USE_VALID:
-            b_valid = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0
-            m_vis = m_vis & b_valid
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-        b_mx = tl.max(tl.max(b_s, axis=1), axis=0)
-        if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
-            b_alpha = tl.exp2(b_mr - b_mx)
-            b_lv *= b_alpha
-            a0, a1, a2, a3, a4, a5, a6, a7 = (
-                a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
-                a6 * b_alpha, a7 * b_alpha,
+        # the first step's tiles (the loop loads the next step's at its top)
+        n_kw, n_ks, n_kz, n_vh, n_vl, n_vs, n_vz = _row1s_tiles(
+            hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr, stride_hkt, stride_hksp, stride_hvt,
+            stride_hvst, p_begin * PAGE, limit, p_end, D, PAGE, VGROUP, KV_FMT, TS,
+        )  # fmt: skip
+        for t0 in range(p_begin * PAGE, t_end, TS):
+            b_kw, b_ks, b_kz, b_vh, b_vl, b_vs, b_vz = n_kw, n_ks, n_kz, n_vh, n_vl, n_vs, n_vz
+            # the next step's tiles, in flight while this step computes (masked off past the split's end)
+            n_kw, n_ks, n_kz, n_vh, n_vl, n_vs, n_vz = _row1s_tiles(
+                hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr, hvz_ptr, stride_hkt, stride_hksp, stride_hvt,
+                stride_hvst, t0 + TS, limit, p_end, D, PAGE, VGROUP, KV_FMT, TS,
             )  # fmt: skip
-            c0, c1, c2, c3, c4, c5, c6, c7 = (
-                c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
-                c6 * b_alpha, c7 * b_alpha,
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _row1s_step(
+                b_kw, b_ks, b_kz, b_vh, b_vl, b_vs, b_vz, b_q, b_qk, one, p_valid, stride_validt, hist_start, t0,
+                limit, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+                KV_FMT, TS, USE_VALID, FAST,
             )  # fmt: skip
-            b_az *= b_alpha
-            b_wsum *= b_alpha
-            b_mr = b_mx
-        b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [1, TS], 0 where not read
-        b_lv += b_p
-        b_p1 = tl.reshape(b_p, [TS])
-        b_w = b_p1[:, None] * b_vs.to(tl.float32)  # [TS, NG]: p * scale
-        b_az += b_p1[:, None] * b_vz.to(tl.float32)
-        if FAST:
-            b_wsum += b_w
-        b_w3 = b_w[:, :, None]
-        if KV_FMT == 4:
-            b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
-            b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
     _wfinish(
         o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5,
         c6, c7, D, KV_FMT, FAST,
@@ -1218,6 +1249,7 @@ def _coded_attention_fwd_kernel(
     SCORES: tl.constexpr = False,
     VUNROLL: tl.constexpr = False,
     SUB: tl.constexpr = 1,
+    SUB_STAGES: tl.constexpr = 0,
 ):
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
@@ -1315,7 +1347,7 @@ def _coded_attention_fwd_kernel(
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, margin,
                     D, PAGE, VGROUP, NP, USE_VALID, COUNT, SCORES, not IEEE, VUNROLL,
                 )  # fmt: skip
-            elif WORDS and SUB > 1 and not USE_VPREC:  # v6: steps of PAGE // SUB tokens (fewer warps per program)
+            elif WORDS and (SUB > 1 or SUB_STAGES > 0) and not USE_VPREC:  # v6: steps of PAGE // SUB tokens
                 _codes_history_row1s(
                     b_q1, o_ptr, lse_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
                     hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
@@ -1324,7 +1356,7 @@ def _coded_attention_fwd_kernel(
                     hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
                     stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
-                    hist_start, p_begin, p_end, D, PAGE, VGROUP, KV_FMT, PAGE // SUB, USE_VALID, not IEEE,
+                    hist_start, p_begin, p_end, D, PAGE, VGROUP, KV_FMT, PAGE // SUB, USE_VALID, not IEEE, SUB_STAGES,
                 )  # fmt: skip
             elif WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
                 _codes_history_row1w(

@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
-    "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "maxnreg": None,
+    "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -54,7 +54,9 @@ v4's 969);
 v6 (session 13, occupancy; not yet timed, so the defaults keep v4's loop): `sub`: steps per page (1, 2, 4; > 1 needs
 `pages` 1) of the word path without V precision (`kernels._codes_history_row1s`): a step reads `PAGE // sub` tokens,
 so `num_warps` 1 holds per thread what 2 warps hold at one page per step and no reduction waits on another warp;
-`maxnreg`: ptxas's register cap per thread (None: Triton's default, 255), e.g. 168 for 6 two-warp programs per SM
+`sub_stages`: 0 (the next step's tiles prefetched in registers), or 2..4: that path's steps load their own tiles in a
+`tl.range(num_stages=sub_stages)` loop (Triton's pipeliner: asynchronous copies through shared memory, steps ahead
+without registers; `sub` 1 included); `maxnreg`: ptxas's register cap per thread (None: Triton's default, 255), e.g. 168 for 6 two-warp programs per SM
 (of the registers' 64K) instead of 4. Counts and predictions: `benchmarks/notes_coded_attention.md`, v6."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
@@ -157,6 +159,9 @@ def _coded_attention_fwd(
     sub = tune.get("sub", 1)
     if sub not in (1, 2, 4) or (sub > 1 and tune["pages"] != 1):
         raise ValueError(f"`tuning['sub']` must be 1, 2 or 4 (more than 1 with `tuning['pages']` 1), got {sub!r}")
+    sub_stages = tune.get("sub_stages", 0)
+    if sub_stages not in (0, 2, 3, 4):
+        raise ValueError(f"`tuning['sub_stages']` must be 0, 2, 3 or 4, got {sub_stages!r}")
     maxnreg = tune.get("maxnreg")
     if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
         raise ValueError(f"`tuning['maxnreg']` must be None or an int in [24, 255], got {maxnreg!r}")
@@ -280,6 +285,7 @@ def _coded_attention_fwd(
             SCORES=scores,
             VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
             SUB=sub if words and not use_vprec else 1,
+            SUB_STAGES=sub_stages if words and not use_vprec else 0,
         )
 
     if row1:
