@@ -151,11 +151,11 @@ def load_use_distances(loop):
     return out
 
 
-def programs_per_sm(regs: int, warps: int) -> int:
-    """Resident programs per SM of sm_90 allowed by registers (64K per SM, allocated per warp in units of 256) and by
-    the 64 warps / 32 blocks an SM holds (shared memory is not a limit of this loop)."""
+def programs_per_sm(regs: int, warps: int, smem: int = 0) -> int:
+    """Resident programs per SM of sm_90 allowed by registers (64K per SM, allocated per warp in units of 256), by
+    shared memory (228 KiB per SM, 1 KiB of it reserved per program) and by the 64 warps / 32 blocks an SM holds."""
     per_warp = -(-regs * 32 // 256) * 256
-    return min(65536 // (per_warp * warps), 64 // warps, 32)
+    return min(65536 // (per_warp * warps), 233472 // (smem + 1024), 64 // warps, 32)
 
 
 def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None, maxnreg=None):
@@ -184,7 +184,7 @@ def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_pa
         fmt=fmt, pages=pages, warps=warps, vprec=vprec, dtype=dtype, total=len(ins), loop=len(loop),
         per_element=len(loop) * warps * 32 / elements, regs=n_regs, stack=n_spills, local_ins=stl,
         loop_local=ops.get("LDL", 0) + ops.get("STL", 0), bar=ops.get("BAR", 0), shfl=ops.get("SHFL", 0),
-        programs_per_sm=programs_per_sm(n_regs, warps),
+        smem=meta.shared, programs_per_sm=programs_per_sm(n_regs, warps, meta.shared),
         ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None),
         ldg_ops=[op for _, op, _ in loop if op.startswith("LDG")],
         ldg_use_distance=[d for _, _, d in load_use_distances(loop)], ops=dict(ops.most_common(16)),
