@@ -66,3 +66,19 @@ def test_vprec_unroll_reads_every_load_half_an_iteration_later():
     assert r["stack"] == 0 and r["local_ins"] == 0, r
     assert all(d is None or d >= 450 for d in r["ldg_use_distance"]), r  # measured >= 515
     assert r["per_element"] / 2 < 4.7, r  # two steps per loop trip; measured 4.53 (one step per trip: 4.25)
+
+
+def test_occupancy_variants_hold_more_programs_per_sm():
+    """v6 (session 13): capped at 168 registers, the loop that loads its own tiles through `tl.range` stages
+    (`ROW1_TUNING` `sub_stages=3, maxnreg=168`) compiles without spills to 6 two-warp programs per SM (v4: 4), its
+    code words as asynchronous copies (LDGSTS) and no more than 12% more instructions per element than v4; half-page
+    steps at one warp (`sub=2, num_warps=1`) keep the step's barriers to that warp's own conversions (5, v4: 10)."""
+    from benchmarks.sass_coded_attention import report
+
+    v4 = report(fmt=4, pages=1, warps=2, extra={"WORDS": True})
+    cap = report(fmt=4, pages=1, warps=2, extra={"WORDS": True, "SUB_STAGES": 3}, maxnreg=168)
+    assert cap["regs"] <= 168 and cap["stack"] == 0 and cap["loop_local"] == 0, cap
+    assert cap["programs_per_sm"] >= 6 > v4["programs_per_sm"], (cap, v4)
+    assert cap["ops"].get("LDGSTS", 0) >= 4 and cap["per_element"] <= 1.12 * v4["per_element"], (cap, v4)
+    half = report(fmt=4, pages=1, warps=1, extra={"WORDS": True, "SUB": 2})
+    assert half["bar"] <= v4["bar"] // 2 and half["loop_local"] == 0 and half["per_element"] < 5.0, (half, v4)
