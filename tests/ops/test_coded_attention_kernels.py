@@ -240,7 +240,10 @@ def test_kernel_matches_reference(case, dtype):
 ROW1_CASES = [c for c in CPU_CASES if c.Hq == c.Hkv and c.Q == 1 and c.fmt]
 
 
-ROW1_SETTINGS = {"v3-bytes-np2": {"words": False, "pages": 2}, "v4-words-np2": {"words": True, "pages": 2}}
+ROW1_SETTINGS = {
+    "v3-bytes-np2": {"words": False, "pages": 2}, "v4-words-np2": {"words": True, "pages": 2},
+    "v4-words-np1": {"sub_auto_pages": 0},  # v4's loop where the default takes v6's half-page steps (short splits)
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in ROW1_CASES])
@@ -269,6 +272,33 @@ def test_row1_occupancy_settings_match_reference(case, dtype, setting):
     history), its loop loading each step's own tiles (`tl.range` stages), and with a register cap (a launch option;
     the interpreter runs the same code)."""
     _check(case, dtype, tuning=OCC_SETTINGS[setting])
+
+
+@pytest.mark.parametrize(
+    "splits, vprec, tune, want",
+    [(5, False, {}, (2, 1)), (1, False, {}, (1, 2)), (5, False, {"sub_auto_pages": 0}, (1, 2)),
+     (5, True, {}, (1, 2)), (5, False, {"num_warps": 4}, (1, 4))],
+    ids=["short-splits", "long-split", "auto-off", "vprec", "warps-set"],
+)  # fmt: skip
+def test_short_splits_take_half_page_steps_at_one_warp(monkeypatch, splits, vprec, tune, want):
+    """v6 `ROW1_TUNING["sub_auto_pages"]` (8): splits of at most 8 pages (here 10 pages in 5 splits) run the word path
+    in half-page steps at one warp; one split of 10 pages, the setting at 0, V precision and warps other than the
+    default's keep v4's loop. The launch's `SUB` and `num_warps` are read from the call; the output is checked."""
+    from triton_ops.coded_attention import kernels
+
+    real, seen = kernels._coded_attention_fwd_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append((kw["SUB"], kw["num_warps"]))
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
+    _check(Case(hist=300, Hq=1, Hkv=1, S=0, splits=splits, vprec=vprec, lean=0.3), torch.float32, tuning=tune)
+    assert seen[-1] == want, seen
 
 
 def test_row1_occupancy_settings_are_validated():

@@ -35,6 +35,7 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
+    "sub_auto_pages": 8,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -51,13 +52,15 @@ which V precision keeps one split per row block, and then runs v4's loop (at 8K 
 v4's 969);
 `vprec_unroll`: v5's loop with two steps per iteration (key inputs loaded a step further ahead; not yet timed).
 
-v6 (session 13, occupancy; not yet timed, so the defaults keep v4's loop): `sub`: steps per page (1, 2, 4; > 1 needs
-`pages` 1) of the word path without V precision (`kernels._codes_history_row1s`): a step reads `PAGE // sub` tokens,
-so `num_warps` 1 holds per thread what 2 warps hold at one page per step and no reduction waits on another warp;
+v6 (session 13, occupancy; H200 sweep in `benchmarks/notes_coded_attention.md`, v6): `sub`: steps per page (1, 2,
+4; > 1 needs `pages` 1) of the word path without V precision (`kernels._codes_history_row1s`): a step reads
+`PAGE // sub` tokens, so one warp holds per thread what two warps hold at one page per step; `sub_auto_pages`:
+splits of at most this many pages (0: never) take `sub` 2 at one warp when `pages` is 1, `num_warps` 2 and `sub` 1
+(batch 1 at 8K, 4 pages per split: 22.6 us against v4's 29.6; at batch >= 8, ~30 pages per split, it is 5-9% slower);
 `sub_stages`: 0 (the next step's tiles prefetched in registers), or 2..4: that path's steps load their own tiles in a
-`tl.range(num_stages=sub_stages)` loop (Triton's pipeliner: asynchronous copies through shared memory, steps ahead
-without registers; `sub` 1 included); `maxnreg`: ptxas's register cap per thread (None: Triton's default, 255), e.g. 168 for 6 two-warp programs per SM
-(of the registers' 64K) instead of 4. Counts and predictions: `benchmarks/notes_coded_attention.md`, v6."""
+`tl.range(num_stages=sub_stages)` loop (asynchronous copies through shared memory; `sub` 1 included); `maxnreg`:
+ptxas's register cap per thread (None: Triton's default), e.g. 168 for 6 two-warp programs per SM instead of 4
+(measured within 5% of v4 at batch >= 8)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -186,6 +189,13 @@ def _coded_attention_fwd(
     if num_splits is None and ns:
         pps = -(-pps // step) * step
     ns = -(-n_pages // pps) if ns else 0
+    num_warps = tune["num_warps"]
+    # v6: short splits (batch 1 at 8K: 4 pages per program) run in half-page steps at one warp per program, twice the
+    # programs per SM at the same registers (H200, INT4, 8K x 1: 22.6 us against 29.6; 5-9% slower at batch >= 8,
+    # where splits hold ~30 pages: benchmarks/notes_coded_attention.md, v6)
+    auto = tune.get("sub_auto_pages", 0)
+    if words and not use_vprec and sub == 1 and tune["pages"] == 1 and num_warps == 2 and 0 < pps <= auto:
+        sub, num_warps = 2, 1
     read_prefix = use_vprec and ns > 1
     if vpipe and vmode == "scores" and not read_prefix:
         vpipe = False  # one split per row block: v4's loop (H200, 8K x 64: 969 us against the pipelined 1,068)
@@ -289,7 +299,7 @@ def _coded_attention_fwd(
         )
 
     if row1:
-        launch = {"num_warps": tune["num_warps"], "num_stages": tune["num_stages"]}
+        launch = {"num_warps": num_warps, "num_stages": tune["num_stages"]}
         if maxnreg is not None:
             launch["maxnreg"] = maxnreg  # v6: more programs per SM by registers (`ROW1_TUNING`)
     elif not fmt:
