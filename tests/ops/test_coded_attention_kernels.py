@@ -250,8 +250,9 @@ ROW1_SETTINGS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("setting", list(ROW1_SETTINGS))
 def test_row1_settings_match_reference(case, dtype, setting):
-    """The one-row path in its other `ROW1_TUNING` settings (the cases above run the default, v4 words with one page
-    per step): v3's byte reads, and v4 with two pages per step (the next step's tiles loaded ahead)."""
+    """The one-row path in its other `ROW1_TUNING` settings (the cases above run the default: v4 words with one page
+    per step, or v6's half-page steps at one warp where splits hold <= 8 pages): v3's byte reads, v4 with two pages
+    per step (the next step's tiles loaded ahead), and v4 with one page per step everywhere."""
     _check(case, dtype, tuning=ROW1_SETTINGS[setting])
 
 

@@ -194,7 +194,8 @@ def _coded_attention_fwd(
     # programs per SM at the same registers (H200, INT4, 8K x 1: 22.6 us against 29.6; 5-9% slower at batch >= 8,
     # where splits hold ~30 pages: benchmarks/notes_coded_attention.md, v6)
     auto = tune.get("sub_auto_pages", 0)
-    if words and not use_vprec and sub == 1 and tune["pages"] == 1 and num_warps == 2 and 0 < pps <= auto:
+    v6 = words and not use_vprec and not d & (d - 1)  # `_codes_history_row1s` reads power-of-two head dims only
+    if v6 and sub == 1 and tune["pages"] == 1 and num_warps == 2 and 0 < pps <= auto:
         sub, num_warps = 2, 1
     read_prefix = use_vprec and ns > 1
     if vpipe and vmode == "scores" and not read_prefix:
@@ -294,8 +295,8 @@ def _coded_attention_fwd(
             VPIPE=vpipe,
             SCORES=scores,
             VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
-            SUB=sub if words and not use_vprec else 1,
-            SUB_STAGES=sub_stages if words and not use_vprec else 0,
+            SUB=sub if v6 else 1,
+            SUB_STAGES=sub_stages if v6 else 0,
         )
 
     if row1:
