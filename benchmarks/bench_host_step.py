@@ -1,15 +1,31 @@
-"""Host time of a replayed decode step: `DecodeGraphs.__call__` on the CPU with the tests' stand-in graphs
-(`tests.helpers.stand_in_graphs`) and a replay that does nothing, so only the Python work around `graph.replay()` is
-timed (input copies, the mask's earlier columns, the host lengths of every cell, the output object). Ouro-1.4B's cell
-count (24 layers x 4 loops = 96 cells, tiny widths), batch 1. Prints the minimum, 10th percentile and median over
-1,050 steps, each timed alone (on a shared CPU the low percentiles are the least disturbed).
+"""Host time of a replayed decode step on the CPU, with the tests' stand-in graphs (`tests.helpers.stand_in_graphs`)
+and a replay that does nothing, so only the Python and dispatcher work around `graph.replay()` is timed: the work that
+keeps the GPU idle between two replays, since `generate` waits for the device at every step's stop check. Ouro-1.4B's
+cell count (24 layers x 4 loops = 96 cells, tiny widths), batch 1, fp32, one torch thread.
 
-    PYTHONPATH=$PWD python -m benchmarks.bench_host_step
+Two measurements (on a shared CPU the low percentiles are the least disturbed; each prints min, p10 and median):
+
+- `call` (default): `DecodeGraphs.__call__` alone, each of 1,050 calls timed on its own (input copies, the mask's
+  earlier columns, the host lengths of every cell, the output object).
+- `generate` (`--generate`): whole steps of `model.generate` (greedy, the model's eos, the compiled-call path taken on
+  the CPU by `CompileConfig._compile_all_devices`), timed from one step's `prepare_inputs_for_generation` to the next,
+  and split into the calls of transformers' `_sample` loop: `prepare_inputs_for_generation` (transformers', one part
+  of it reads the cache's `is_linear`), the forward (`DecodeGraphs.__call__`, ours), `_update_model_kwargs_for_generation`
+  (transformers'), the logits processors (transformers' list; with greedy defaults only ours, `_NonFiniteLogits`),
+  the stopping criteria and the stop check (transformers'), and the rest of `_sample`'s own loop body (the logits
+  copy, argmax, eos fill, the `input_ids` concatenation). The replayed step returns fixed logits whose argmax is not
+  eos, so every call runs its `max_new_tokens` steps.
+
+    PYTHONPATH=$PWD python -m benchmarks.bench_host_step [--generate] [--steps N] [--prompt P] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+from collections import defaultdict
+from typing import Any
 
 import pytest
 import torch
@@ -19,10 +35,21 @@ from hf_loopcache.models._graphs import DecodeGraphs
 from tests import helpers
 
 
+def _stats(per: list[float]) -> dict[str, float]:
+    per = sorted(per)
+    n = len(per)
+    return {"min_us": round(per[0] * 1e6, 1), "p10_us": round(per[n // 10] * 1e6, 1), "median_us": round(per[n // 2] * 1e6, 1)}
+
+
+def _model() -> Any:
+    return helpers.tiny_ouro(num_hidden_layers=24, total_ut_steps=4)
+
+
 def main(rounds: int = 7, steps: int = 150, batch: int = 1) -> dict[str, float]:
+    """`DecodeGraphs.__call__` alone: min, p10 and median microseconds over `rounds * steps` calls."""
     patch = pytest.MonkeyPatch()
     helpers.stand_in_graphs(patch)
-    model = helpers.tiny_ouro(num_hidden_layers=24, total_ut_steps=4)
+    model = _model()
     n = rounds * steps
     cache = FullLoopCache(model, static=True, max_batch_size=batch, max_cache_len=8 + 3 + n + 1)
     ids = torch.randint(3, 60, (batch, 8))
@@ -46,12 +73,98 @@ def main(rounds: int = 7, steps: int = 150, batch: int = 1) -> dict[str, float]:
             call(input_ids=step, attention_mask=m, past_key_values=cache, use_cache=True)
             per.append(time.perf_counter() - start)
     patch.undo()
-    per.sort()
-    row = {"cells": len(cache.cells), "min_us": per[0] * 1e6, "p10_us": per[n // 10] * 1e6, "median_us": per[n // 2] * 1e6}
-    print(f"{row['cells']} cells, host us per replayed step ({n} steps): min {row['min_us']:.1f}, "
+    row = {"cells": len(cache.cells), **_stats(per)}
+    print(f"{row['cells']} cells, host us per DecodeGraphs call ({n} calls): min {row['min_us']:.1f}, "
           f"p10 {row['p10_us']:.1f}, median {row['median_us']:.1f}")
     return row
 
 
+def _timed(patch: pytest.MonkeyPatch, owner: Any, name: str, into: list[float], stamps: list[float] | None = None) -> None:
+    """Wrap `owner.name` so each call's seconds are appended to `into` (and its start to `stamps`)."""
+    inner = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        if stamps is not None:
+            stamps.append(start)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    patch.setattr(owner, name, timed)
+
+
+def generate_steps(steps: int = 400, rounds: int = 3, prompt: int = 8, batch: int = 1) -> dict[str, Any]:
+    """Whole `generate` steps: the step (one `prepare_inputs_for_generation` start to the next) and its parts, min,
+    p10 and median microseconds over `rounds` calls of `steps` new tokens (the first 3 steps of each left out: the
+    prefill's, the eager warm-up's and the capture's)."""
+    from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation import utils as generation_utils
+
+    from hf_loopcache.models import _common
+
+    patch = pytest.MonkeyPatch()
+    helpers.stand_in_graphs(patch)
+    model = _model()
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers' switch to take the compiled call off CUDA
+    cache = FullLoopCache(model, static=True, max_batch_size=batch, max_cache_len=prompt + steps + 4)
+    ids = torch.randint(3, 60, (batch, prompt))
+    mask = torch.ones(batch, prompt, dtype=torch.long)
+    gen = dict(attention_mask=mask, cache=cache, do_sample=False, compile_config=config, pad_token_id=0)
+    model.generation_config.max_length = None  # (the tiny config's 512 positions: no warning for longer runs)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, **gen)  # prefill, warm-up, capture
+        entry = next(e for e in cache._graphs.values() if e is not None)
+        entry.graph.replay = lambda: None  # the host side only
+        entry.logits.zero_()
+        entry.logits[..., 5] = 1.0  # a fixed argmax that is not eos: every call runs all its steps
+        runs: dict[str, dict[str, list[float]]] = {}
+        for split in (False, True):
+            parts: dict[str, list[float]] = defaultdict(list)
+            stamps: list[float] = []
+            with pytest.MonkeyPatch.context() as timing:
+                _timed(timing, model, "prepare_inputs_for_generation", parts["prepare_inputs_for_generation"], stamps)
+                if split:
+                    _timed(timing, DecodeGraphs, "__call__", parts["forward (DecodeGraphs)"])
+                    _timed(timing, model, "_update_model_kwargs_for_generation",
+                           parts["_update_model_kwargs_for_generation"])
+                    _timed(timing, LogitsProcessorList, "__call__", parts["logits processors"])
+                    _timed(timing, _common._NonFiniteLogits, "__call__", parts["  of which _NonFiniteLogits"])
+                    _timed(timing, StoppingCriteriaList, "__call__", parts["stopping criteria"])
+                    _timed(timing, generation_utils.StopCheck, "__call__", parts["stop check (host sync)"])
+                for _ in range(rounds):
+                    cache.reset()
+                    first = len(stamps)
+                    model.generate(ids, max_new_tokens=steps, **gen)
+                    parts["step"] += [b - a for a, b in zip(stamps[first + 3 :], stamps[first + 4 :])]
+            runs["split" if split else "whole"] = parts
+    patch.undo()
+    whole = {"step": _stats(runs["whole"]["step"])}
+    split = {name: _stats(per) for name, per in runs["split"].items()}
+    named = [name for name in split if name not in ("step", "  of which _NonFiniteLogits")]
+    medians = sum(split[name]["median_us"] for name in named)
+    split["rest of _sample's loop"] = {"median_us": round(split["step"]["median_us"] - medians, 1)}
+    print(f"{len(cache.cells)} cells, batch {batch}, prompt {prompt}, {rounds} x {steps} steps; host us per generate "
+          f"step: min {whole['step']['min_us']:.1f}, p10 {whole['step']['p10_us']:.1f}, "
+          f"median {whole['step']['median_us']:.1f}")
+    print("split (each part timed on its own; the rest is the step's median less the parts' medians):")
+    for name, row in split.items():
+        print(f"  {name:40s} " + "  ".join(f"{k[:-3]} {v:7.1f}" for k, v in row.items()))
+    return {"cells": len(cache.cells), "batch": batch, "prompt": prompt, "generate_step": whole["step"], "split": split}
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generate", action="store_true", help="whole generate steps, split by call")
+    parser.add_argument("--steps", type=int, default=400, help="new tokens per generate call (--generate)")
+    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (--generate)")
+    parser.add_argument("--json", help="write the numbers here")
+    args = parser.parse_args()
+    out = {"call": main()}
+    if args.generate:
+        out["generate"] = generate_steps(steps=args.steps, prompt=args.prompt)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
