@@ -79,18 +79,25 @@ def main(rounds: int = 7, steps: int = 150, batch: int = 1) -> dict[str, float]:
     return row
 
 
-def _timed(patch: pytest.MonkeyPatch, owner: Any, name: str, into: list[float], stamps: list[float] | None = None) -> None:
-    """Wrap `owner.name` so each call's seconds are appended to `into` (and its start to `stamps`)."""
+def _timed(
+    patch: pytest.MonkeyPatch, owner: Any, name: str, into: list[float] | None, starts: list[float] | None = None,
+    ends: list[float] | None = None,
+) -> None:
+    """Wrap `owner.name` so each call's seconds are appended to `into`, its start to `starts`, its end to `ends`."""
     inner = getattr(owner, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        if stamps is not None:
-            stamps.append(start)
+        if starts is not None:
+            starts.append(start)
         try:
             return inner(*args, **kwargs)
         finally:
-            into.append(time.perf_counter() - start)
+            end = time.perf_counter()
+            if into is not None:
+                into.append(end - start)
+            if ends is not None:
+                ends.append(end)
 
     patch.setattr(owner, name, timed)
 
@@ -117,15 +124,18 @@ def generate_steps(steps: int = 400, rounds: int = 3, prompt: int = 8, batch: in
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, **gen)  # prefill, warm-up, capture
         entry = next(e for e in cache._graphs.values() if e is not None)
-        entry.graph.replay = lambda: None  # the host side only
         entry.logits.zero_()
         entry.logits[..., 5] = 1.0  # a fixed argmax that is not eos: every call runs all its steps
         runs: dict[str, dict[str, list[float]]] = {}
         for split in (False, True):
             parts: dict[str, list[float]] = defaultdict(list)
             stamps: list[float] = []
+            replays: list[float] = []
+            synced: list[float] = []
+            entry.graph.replay = lambda: replays.append(time.perf_counter())  # the host side only
             with pytest.MonkeyPatch.context() as timing:
                 _timed(timing, model, "prepare_inputs_for_generation", parts["prepare_inputs_for_generation"], stamps)
+                _timed(timing, generation_utils.StopCheck, "__call__", parts["stop check (host sync)"], ends=synced)
                 if split:
                     _timed(timing, DecodeGraphs, "__call__", parts["forward (DecodeGraphs)"])
                     _timed(timing, model, "_update_model_kwargs_for_generation",
@@ -133,26 +143,34 @@ def generate_steps(steps: int = 400, rounds: int = 3, prompt: int = 8, batch: in
                     _timed(timing, LogitsProcessorList, "__call__", parts["logits processors"])
                     _timed(timing, _common._NonFiniteLogits, "__call__", parts["  of which _NonFiniteLogits"])
                     _timed(timing, StoppingCriteriaList, "__call__", parts["stopping criteria"])
-                    _timed(timing, generation_utils.StopCheck, "__call__", parts["stop check (host sync)"])
                 for _ in range(rounds):
                     cache.reset()
-                    first = len(stamps)
+                    first, replayed, stopped = len(stamps), len(replays), len(synced)
                     model.generate(ids, max_new_tokens=steps, **gen)
                     parts["step"] += [b - a for a, b in zip(stamps[first + 3 :], stamps[first + 4 :])]
+                    # stop check j (step j's, after the prefill's at j = 0) returns, then step j + 1 replays
+                    pairs = list(zip(synced[stopped:], replays[replayed:]))[3:]
+                    parts["exposed: stop check -> replay"] += [r - s for s, r in pairs]
+                    parts["overlapped: replay -> stop check"] += [
+                        s - r for r, s in zip(replays[replayed:], synced[stopped + 1 :])
+                    ][3:]
             runs["split" if split else "whole"] = parts
     patch.undo()
-    whole = {"step": _stats(runs["whole"]["step"])}
+    whole = {name: _stats(runs["whole"][name]) for name in ("step", "exposed: stop check -> replay",
+                                                            "overlapped: replay -> stop check")}
     split = {name: _stats(per) for name, per in runs["split"].items()}
-    named = [name for name in split if name not in ("step", "  of which _NonFiniteLogits")]
+    named = [name for name in split if name != "step" and name[0] != " " and ":" not in name]
     medians = sum(split[name]["median_us"] for name in named)
     split["rest of _sample's loop"] = {"median_us": round(split["step"]["median_us"] - medians, 1)}
     print(f"{len(cache.cells)} cells, batch {batch}, prompt {prompt}, {rounds} x {steps} steps; host us per generate "
           f"step: min {whole['step']['min_us']:.1f}, p10 {whole['step']['p10_us']:.1f}, "
           f"median {whole['step']['median_us']:.1f}")
+    for name in ("exposed: stop check -> replay", "overlapped: replay -> stop check"):
+        print(f"  {name:40s} " + "  ".join(f"{k[:-3]} {v:7.1f}" for k, v in whole[name].items()))
     print("split (each part timed on its own; the rest is the step's median less the parts' medians):")
     for name, row in split.items():
         print(f"  {name:40s} " + "  ".join(f"{k[:-3]} {v:7.1f}" for k, v in row.items()))
-    return {"cells": len(cache.cells), "batch": batch, "prompt": prompt, "generate_step": whole["step"], "split": split}
+    return {"cells": len(cache.cells), "batch": batch, "prompt": prompt, "generate": whole, "split": split}
 
 
 if __name__ == "__main__":
