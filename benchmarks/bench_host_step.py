@@ -22,6 +22,7 @@ Two measurements (on a shared CPU the low percentiles are the least disturbed; e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections import defaultdict
@@ -79,6 +80,10 @@ def main(rounds: int = 7, steps: int = 150, batch: int = 1) -> dict[str, float]:
     return row
 
 
+def _stamp(into: list[float]) -> None:
+    into.append(time.perf_counter())
+
+
 def _timed(
     patch: pytest.MonkeyPatch, owner: Any, name: str, into: list[float] | None, starts: list[float] | None = None,
     ends: list[float] | None = None,
@@ -132,7 +137,7 @@ def generate_steps(steps: int = 400, rounds: int = 3, prompt: int = 8, batch: in
             stamps: list[float] = []
             replays: list[float] = []
             synced: list[float] = []
-            entry.graph.replay = lambda: replays.append(time.perf_counter())  # the host side only
+            entry.graph.replay = functools.partial(_stamp, replays)  # the host side only
             with pytest.MonkeyPatch.context() as timing:
                 _timed(timing, model, "prepare_inputs_for_generation", parts["prepare_inputs_for_generation"], stamps)
                 _timed(timing, generation_utils.StopCheck, "__call__", parts["stop check (host sync)"], ends=synced)

@@ -68,3 +68,28 @@ def test_non_finite_monitor_one_sum_per_step_across_blocks():
     inf(None, torch.tensor([[1.0, float("inf")]]))
     assert inf.first_bad() == 0
     _NonFiniteLogits().check()  # no step: nothing to report
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_device_and_dtype_are_transformers_answer(arch):
+    """The models' `device` and `dtype` (read by `prepare_inputs_for_generation` at every step) equal transformers'
+    `ModuleUtilsMixin` properties: after a cast, with new input embeddings, and with a non-floating parameter first."""
+    from torch import nn
+    from transformers.modeling_utils import ModuleUtilsMixin
+
+    def same(model):
+        assert model.device == ModuleUtilsMixin.device.fget(model)
+        assert model.dtype == ModuleUtilsMixin.dtype.fget(model)
+
+    model = make_model(arch)
+    same(model)
+    model.to(torch.bfloat16)
+    same(model)
+    assert model.dtype == torch.bfloat16
+    old = model.get_input_embeddings()
+    model.set_input_embeddings(nn.Embedding(old.num_embeddings, old.embedding_dim, dtype=torch.float64))
+    same(model)
+    assert model.dtype == torch.float64
+    model.register_parameter("counter", nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False))
+    same(model)
+    assert model.dtype == torch.float64
