@@ -1,22 +1,36 @@
 """Host time of a replayed decode step on the CPU, with the tests' stand-in graphs (`tests.helpers.stand_in_graphs`)
-and a replay that does nothing, so only the Python and dispatcher work around `graph.replay()` is timed: the work that
-keeps the GPU idle between two replays, since `generate` waits for the device at every step's stop check. Ouro-1.4B's
+and a replay that does nothing, so only the Python and dispatcher work around `graph.replay()` is timed. Ouro-1.4B's
 cell count (24 layers x 4 loops = 96 cells, tiny widths), batch 1, fp32, one torch thread.
 
-Two measurements (on a shared CPU the low percentiles are the least disturbed; each prints min, p10 and median):
+transformers' `generate` (up to 5.24 on CUDA) reads a device value at every step's stop check
+(`StopCheck`: `bool(unfinished_sequences.max() == 0)`), so the host waits for the replayed graph there. What the GPU
+then waits for is the host work from that read to the next replay (`exposed`: the rest of the stop check,
+`prepare_inputs_for_generation`, our inputs' copies, the graph launch), plus the small kernels launched after the
+replay, which run after the graph. The host work after the replay (`overlapped`: the output, transformers'
+bookkeeping, processors, stopping criteria) runs while the graph runs and costs the GPU nothing but those kernels.
 
-- `call` (default): `DecodeGraphs.__call__` alone, each of 1,050 calls timed on its own (input copies, the mask's
-  earlier columns, the host lengths of every cell, the output object).
+Measurements (on a shared CPU the low percentiles are the least disturbed; each prints min, p10 and median):
+
+- `call` (default): `DecodeGraphs.__call__` alone, each of 1,050 calls timed on its own (the full mask's earlier
+  columns, the input copies, the cells' host lengths, the output object), and its part before the replay.
 - `generate` (`--generate`): whole steps of `model.generate` (greedy, the model's eos, the compiled-call path taken on
-  the CPU by `CompileConfig._compile_all_devices`), timed from one step's `prepare_inputs_for_generation` to the next,
-  and split into the calls of transformers' `_sample` loop: `prepare_inputs_for_generation` (transformers', one part
-  of it reads the cache's `is_linear`), the forward (`DecodeGraphs.__call__`, ours), `_update_model_kwargs_for_generation`
-  (transformers'), the logits processors (transformers' list; with greedy defaults only ours, `_NonFiniteLogits`),
-  the stopping criteria and the stop check (transformers'), and the rest of `_sample`'s own loop body (the logits
-  copy, argmax, eos fill, the `input_ids` concatenation). The replayed step returns fixed logits whose argmax is not
-  eos, so every call runs its `max_new_tokens` steps.
+  the CPU by `CompileConfig._compile_all_devices`), from one step's `prepare_inputs_for_generation` to the next;
+  `exposed` and `overlapped` as above; and the step split into the calls of transformers' `_sample` loop:
+  `prepare_inputs_for_generation` (transformers'; it reads the cache's `is_linear` and the model's `device` and
+  `dtype`, ours), the forward (`DecodeGraphs.__call__`, ours), `_update_model_kwargs_for_generation`, the logits
+  processors (transformers' list; with greedy defaults only ours, `_NonFiniteLogits`), the stopping criteria and the
+  stop check (transformers'), and the rest of `_sample`'s loop body (the logits copy, argmax, eos fill, the
+  `input_ids` concatenation). The replay returns fixed logits whose argmax is not eos, so every call runs all steps.
+- `ops` (`--ops`): the torch ops of one steady step outside the graph (each a kernel launch on a GPU, views left out),
+  after the replay and from the stop check to the next replay.
 
-    PYTHONPATH=$PWD python -m benchmarks.bench_host_step [--generate] [--steps N] [--prompt P] [--json PATH]
+Session 13 (`benchmarks/results/host_step_cpu_s13.json`, p10, this CPU, transformers 5.24): a generate step 264 ->
+172 us, of which exposed 100 -> 60 us; `DecodeGraphs.__call__` 31 -> 27 us (before its replay 21 -> 17 us); 28 -> 21
+ops after the replay. Of the exposed 60 us, `prepare_inputs_for_generation` is 35 us, transformers' own but for 4 us
+(six config reads at 2 us each through `PretrainedConfig.__getattribute__`, a `deprecate_kwarg` wrapper, the input
+slice and clone, a `torch.empty` for the mask function, the kwargs loop).
+
+    PYTHONPATH=$PWD python -m benchmarks.bench_host_step [--generate] [--ops] [--steps N] [--prompt P] [--json PATH]
 """
 
 from __future__ import annotations
@@ -182,16 +196,75 @@ def generate_steps(steps: int = 400, rounds: int = 3, prompt: int = 8, batch: in
     return {"cells": len(cache.cells), "batch": batch, "prompt": prompt, "generate": whole, "split": split}
 
 
+_VIEWS = frozenset(("slice", "select", "view", "alias", "as_strided", "expand", "unsqueeze", "squeeze", "t",
+                    "transpose", "_reshape_alias", "detach", "reshape", "_unsafe_view", "lift_fresh", "unflatten"))
+
+
+def generate_ops(prompt: int = 8, batch: int = 1) -> dict[str, list[str]]:
+    """The torch ops (aten, views left out) of one steady `generate` step outside the replayed graph, in order: those
+    after the replay up to the stop check (a GPU runs them after the graph; the host launches them while it runs),
+    and those from the stop check (whose host read waits for the device) up to the next replay (the GPU waits)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import CompileConfig
+    from transformers.generation import utils as generation_utils
+
+    log: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            log.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    patch = pytest.MonkeyPatch()
+    helpers.stand_in_graphs(patch)
+    model = _model()
+    config = CompileConfig()
+    config._compile_all_devices = True
+    cache = FullLoopCache(model, static=True, max_batch_size=batch, max_cache_len=prompt + 16)
+    ids = torch.randint(3, 60, (batch, prompt))
+    gen = dict(attention_mask=torch.ones(batch, prompt, dtype=torch.long), cache=cache, do_sample=False,
+               compile_config=config, pad_token_id=0)
+    inner = generation_utils.StopCheck.__call__
+
+    def stop(self: Any, *args: Any) -> Any:
+        log.append("<read>")
+        return inner(self, *args)
+
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, **gen)
+        entry = next(e for e in cache._graphs.values() if e is not None)
+        entry.logits.zero_()
+        entry.logits[..., 5] = 1.0
+        entry.graph.replay = functools.partial(log.append, "<replay>")
+        patch.setattr(generation_utils.StopCheck, "__call__", stop)
+        cache.reset()
+        with Ops():
+            model.generate(ids, max_new_tokens=12, **gen)
+    patch.undo()
+    step = " ".join(log).split("<replay>")[6].split()  # from one replay to the next
+    read = step.index("<read>")
+    out = {
+        "after the replay (GPU: after the graph)": [op for op in step[:read] if op not in _VIEWS],
+        "the stop check (its host read) to the next replay (GPU idle)": [op for op in step[read + 1 :] if op not in _VIEWS],
+    }
+    for name, ops in out.items():
+        print(f"{name}: {len(ops)} ops: {' '.join(ops)}")
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generate", action="store_true", help="whole generate steps, split by call")
     parser.add_argument("--steps", type=int, default=400, help="new tokens per generate call (--generate)")
     parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (--generate)")
+    parser.add_argument("--ops", action="store_true", help="list the torch ops of a generate step outside the graph")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args()
     out = {"call": main()}
     if args.generate:
         out["generate"] = generate_steps(steps=args.steps, prompt=args.prompt)
+    if args.ops:
+        out["ops"] = generate_ops(prompt=args.prompt)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
