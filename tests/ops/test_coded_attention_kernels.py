@@ -392,8 +392,16 @@ def test_vprec_modes_match_reference(case, dtype, setting):
 NPOW2_ROW1_SETTINGS = {**ROW1_SETTINGS, **{k: VPREC_SETTINGS[k] for k in ("v5-pipe", "v5-scores", "v5-pipe-unroll")}}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CODED_NPOW2_CASES if c.Q == 1 and c.Hq == c.Hkv])
-@pytest.mark.parametrize("setting", list(NPOW2_ROW1_SETTINGS))
+@pytest.mark.parametrize(
+    "case, setting",
+    [
+        pytest.param(c, k, id=f"{c.id()}-{k}")
+        for c in CODED_NPOW2_CASES
+        if c.Q == 1 and c.Hq == c.Hkv
+        for k in NPOW2_ROW1_SETTINGS
+        if k in ROW1_SETTINGS or (c.fmt == 4 and c.vprec)  # v5's modes change only V precision
+    ],
+)
 def test_coded_head_dims_that_are_no_power_of_two_row1_settings(case, setting):
     """The one-row path's other settings at those head dims: v3's bytes, two pages per step, and v5's V precision
     (the pipelined loop, the score pass, two steps per iteration)."""
