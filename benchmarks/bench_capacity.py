@@ -161,6 +161,8 @@ def probe(
         record["error"] = failed
     if device.startswith("cuda"):
         record["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 3)
+        # what the allocator held: the budget counts this, not the tensors (fragmentation shows as the difference)
+        record["reserved_gib"] = round((torch.cuda.max_memory_reserved() - base) / GIB, 3)
     else:
         record["peak_gib"] = round(tracker.peak / GIB, 6)  # type: ignore[union-attr]
         if not failed and limit_bytes is not None and tracker.peak > limit_bytes:  # type: ignore[union-attr]
@@ -229,6 +231,7 @@ def graph_throughput(
             record.update(status="oom", error=str(err).splitlines()[0][:160])
         if device.startswith("cuda"):
             record["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / GIB, 3)
+            record["reserved_gib"] = round((torch.cuda.max_memory_reserved() - base) / GIB, 3)
         record["seconds"] = round(time.perf_counter() - start, 2)
         free_memory(device)
         tried.append(record)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -69,6 +70,8 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         env["gpu_name"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
+        # the caching allocator's settings decide how much of a memory budget fragmentation takes
+        env["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     try:
         import triton
 

@@ -142,3 +142,36 @@ def test_a_row_estimate_scales_the_same_cache_at_a_smaller_batch():
     assert bench._estimate(done, "s", "full", 8, 0.1, 64) == 1.1 * 2 * 5.0
     assert bench._estimate(done, "s", "ripe64", 1, 0.1, 64) == 1.1 * 20.0
     assert bench._estimate({}, "s", "full", 8, 0.1, 64) == 1.5 * 0.1 * 3 * 64 * 2
+
+
+def test_huginn_loopkv_reads_are_ones_the_kernel_takes(monkeypatch):
+    """Huginn-0125's head dim is 96 (no power of two): the coded-attention kernel used to refuse every coded read of
+    it, so on CUDA each `loopkv-kivi4-share` row announced a fallback and was refused here. Every `coded_attention`
+    call of a Huginn LoopKV cache of head dim 96 (INT4 history with V precision, share cells; a decode step and a
+    5-token block) is now one the kernel takes (`_kernel_supports` gives no reason, so nothing is announced)."""
+    import torch
+
+    import hf_loopcache.cache.layers.windowed as windowed
+    from hf_loopcache import LoopKVCache
+    from tests.helpers import tiny_huginn
+    from triton_ops.coded_attention.ops import _kernel_supports
+
+    model = tiny_huginn(n_embd=192, n_heads=2, block_size=512)  # head dim 96, as Huginn-0125
+    seen = []
+    real = windowed.coded_attention
+
+    def checking(query, view, **kw):
+        reason = _kernel_supports(query, view, kw.get("v_precision_tau"))
+        seen.append((view.head_dim, view.is_coded, query.shape[2], reason))
+        return real(query, view, **kw)
+
+    monkeypatch.setattr(windowed, "coded_attention", checking)
+    cache = LoopKVCache(model, "kivi4-share")
+    ids = torch.randint(3, 64, (1, 340), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True, init_scale=0.0)  # past sink + window: coded pages
+        model(ids[:, :1], past_key_values=cache, use_cache=True, init_scale=0.0)
+        model(ids[:, :5], past_key_values=cache, use_cache=True, init_scale=0.0)
+    coded = [s for s in seen if s[1]]
+    assert coded and {s[0] for s in coded} == {96} and {s[2] for s in coded} == {1, 5}
+    assert [s for s in seen if s[3] is not None] == []

@@ -3,6 +3,7 @@ copies from a full mask, and the host lengths it advances, on the CPU with the s
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -69,3 +70,25 @@ def test_replayed_steps_copy_a_full_masks_holes_and_advance_every_cell(monkeypat
     solid = [m.clone().fill_(1) for m in masks]  # (the hole changes row 1's logits: the test can see a lost copy)
     plain = _decode(model, FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=16), ids, solid, model)
     assert torch.equal(plain[3][0], eager[3][0]) and not torch.allclose(plain[3][1], eager[3][1])
+
+
+def test_a_full_step_with_cells_that_disagree_is_not_replayed(monkeypatch):
+    """A captured step that writes every cell replays only while all cells hold the same positions; after a draft
+    that was not rolled back (the deeper loops' cells hold fewer) the call runs eagerly, which names the problem."""
+    stand_in_graphs(monkeypatch)
+    model = tiny_ouro()
+    ids = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(0))
+    cache = FullLoopCache(model, static=True, max_batch_size=1, max_cache_len=16)
+    call = DecodeGraphs(model)
+    _decode(model, cache, ids, [torch.ones(1, 7 + t, dtype=torch.long) for t in range(3)], call)
+    (entry,) = cache._graphs.values()
+    assert entry.writes_all and entry.graph.replays == 2
+    eager, replays = [], []
+    monkeypatch.setattr(call, "model", lambda *a, **kw: eager.append(kw) or model(*a, **kw))
+    monkeypatch.setattr(entry.graph, "replay", lambda replay=entry.graph.replay: replays.append(1) or replay())
+    deepest = model.loop_layout.num_loops - 1
+    for layer in (cache.layer_for(cell) for cell in model.loop_layout.core_cells(deepest)):
+        layer.length -= 1  # as a one-token draft of the shallower loops leaves them
+    with pytest.raises(ValueError, match="roll a partial-depth draft back"):
+        call(input_ids=torch.full((1, 1), 5), attention_mask=torch.ones(1, 10, dtype=torch.long), cache=cache, use_cache=True)
+    assert not replays and len(eager) == 1

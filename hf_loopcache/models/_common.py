@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -571,39 +572,65 @@ def check_reused_cache(cache: Any, input_ids: torch.Tensor | None, attention_mas
 
 
 class _NonFiniteLogits(LogitsProcessor):
-    """A logits processor that records, on the device, the first step whose scores hold NaN or +inf.
+    """A logits processor that records, on the device, the sum of each step's scores, so that the first step whose
+    scores hold NaN or +inf can be named after `generate` returns.
 
-    It adds one `[batch, vocab]` sum per step (and a few scalar ops) and no host synchronisation:
-    `LoopGenerationMixin.generate` reads the record once per call, after `generate` returns, when generate's own
-    last stop check has already waited for the device, so the read waits for nothing. Measured on CPU (one torch
-    thread, a busy 2-core machine): about 50 us per step for `[1, 8192]` scores, 160 us for `[8, 65536]`. (-inf is a legitimate mask value of other processors and is not
-    reported.)
+    A step costs one launch (the sum, written into a preallocated slot) and no host synchronisation:
+    `LoopGenerationMixin.generate` reads the record once per call (`check`), after `generate` returns, when generate's
+    own last stop check has already waited for the device, so the read waits for nothing. The sum is NaN or +inf
+    exactly when a score is NaN or +inf (-inf alone sums to -inf; -inf is a legitimate mask value of other processors
+    and is not reported). `transformers`' `LogitsProcessorList` reads every processor's signature at every step
+    (`inspect.signature(processor.__call__)`, about 10 us); the instance carries its signature, so that read is a
+    lookup. Measured on CPU (one torch thread, a busy 2-core machine, `[1, 64]` scores): 3 us per step, from 25 us
+    with seven scalar ops and the signature read (`benchmarks/bench_host_step.py --generate`).
     """
+
+    SLOTS = 1024  # sums per preallocated block (one block more each time these are full)
 
     def __init__(self) -> None:
         self.step = 0
-        self.first_bad: torch.Tensor | None = None
+        self.blocks: list[torch.Tensor] = []
+        # `inspect.signature` returns an object's `__signature__` as it is: the bound `__call__`'s, read once here
+        call = functools.partial(type(self).__call__, self)
+        call.__signature__ = inspect.signature(self.__call__)  # type: ignore[attr-defined]
+        self.__call__ = call  # type: ignore[method-assign]  # what the list inspects; calls still go to the class's
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        # one reduction: the sum is NaN or +inf exactly when a score is NaN or +inf (-inf alone sums to -inf)
-        total = scores.sum(dtype=torch.float32)
-        bad = torch.isnan(total) | (total == float("inf"))
-        if self.first_bad is None:
-            self.first_bad = torch.full((), -1, dtype=torch.long, device=scores.device)
-        self.first_bad = torch.where((self.first_bad < 0) & bad, self.step, self.first_bad)
+        block, slot = divmod(self.step, self.SLOTS)
+        if block == len(self.blocks):
+            self.blocks.append(torch.empty(self.SLOTS, dtype=torch.float32, device=scores.device))
+        torch.sum(scores, (0, 1), dtype=torch.float32, out=self.blocks[block][slot])  # scores: [batch, vocab]
         self.step += 1
         return scores
 
+    def first_bad(self) -> int:
+        """The first step whose scores held NaN or +inf, or -1 (one host read)."""
+        if not self.step:
+            return -1
+        sums = torch.cat(self.blocks)[: self.step]
+        bad = (torch.isnan(sums) | (sums == float("inf"))).nonzero()
+        return int(bad[0, 0]) if bad.numel() else -1
+
     def check(self) -> None:
-        if self.first_bad is None:
-            return
-        step = int(self.first_bad.item())
+        step = self.first_bad()
         if step >= 0:
             raise FloatingPointError(
                 f"the model produced non-finite logits (NaN or +inf) at generation step {step} of {self.step} "
                 f"(step 0 is the prompt): the output after that step is meaningless. Check the weights and inputs for "
                 f"NaN/inf, or run in float32/bfloat16 if float16 overflowed."
             )
+
+
+def _first_parameter(module: nn.Module, *, floating: bool) -> nn.Parameter | None:
+    """The first parameter (the first floating one with `floating`) in `module.parameters()`' order: each module's own
+    parameters, then its children's, depth first in registration order; None if there is none."""
+    for p in module._parameters.values():
+        if p is not None and (not floating or p.is_floating_point()):
+            return p
+    for child in module._modules.values():
+        if child is not None and (p := _first_parameter(child, floating=floating)) is not None:
+            return p
+    return None
 
 
 class LoopGenerationMixin(GenerationMixin):
@@ -618,6 +645,20 @@ class LoopGenerationMixin(GenerationMixin):
     """
 
     loop_kwarg: str = "num_loops"
+
+    @property
+    def device(self) -> torch.device:
+        """transformers' `ModuleUtilsMixin.device` (the first parameter's device), found by a walk that stops at the
+        first parameter instead of through `parameters()`' generators (4 us on a busy CPU): `prepare_inputs_for_generation`
+        reads it twice per step, between the step's host sync and its graph replay."""
+        first = _first_parameter(cast("nn.Module", self), floating=False)
+        return super().device if first is None else first.device  # type: ignore[misc]  # (raises as it does)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """transformers' `ModuleUtilsMixin.dtype` (the first floating parameter's dtype), found as `device` is."""
+        first = _first_parameter(cast("nn.Module", self), floating=True)
+        return super().dtype if first is None else first.dtype  # type: ignore[misc]
 
     def draft_kwargs(self, loops: int) -> dict[str, Any]:
         """Forward keyword arguments of a self-speculative draft that runs `loops` loops (fewer than the model's)."""

@@ -47,6 +47,7 @@ class _Captured:
     capture_s: float = 0.0  # the eager warm-up step plus the capture
     written: list[int] | None = None  # positions the forward writes into each cell (flat index)
     written_cells: Any = None  # `operator.itemgetter` of the cells it writes (a tuple of their host lengths)
+    writes_all: bool = False  # it writes every cell (a full decode step): they agree when all lengths are equal
     advances: list | None = None  # `(cell.advance, n)` of those cells (`LoopCache._host_advances`)
 
 
@@ -63,7 +64,7 @@ class DecodeGraphs:
 
     # ---------------------------------------------------------------- the device side (CUDA graphs)
     def _capturable(self, ids: torch.Tensor) -> bool:
-        return ids.device.type == "cuda" and torch.cuda.is_available()
+        return ids.is_cuda
 
     def _warm_up(self, fn: Any) -> Any:
         """Run `fn` eagerly on a side stream (as CUDA graph capture wants it) and return its result."""
@@ -86,10 +87,9 @@ class DecodeGraphs:
         return graph, out
 
     # ---------------------------------------------------------------- the host side
-    def _key(self, cache: Any, kwargs: dict[str, Any], lengths: list[int]) -> tuple | None:
-        """The graph key of a call, or None if the call must run eagerly (`lengths`: the cells' host lengths)."""
-        if not getattr(cache, "static", False):
-            return None
+    def _key(self, cache: Any, kwargs: dict[str, Any], low: int, high: int) -> tuple | None:
+        """The graph key of a call to a static cache, or None if the call must run eagerly (`low`, `high`: the fewest
+        and most positions a cell holds, host side)."""
         ids = kwargs.get("input_ids")
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not self._capturable(ids):
@@ -103,7 +103,7 @@ class DecodeGraphs:
             return None
         if pos is not None and (not isinstance(pos, torch.Tensor) or pos.shape[-1] != q):
             return None
-        if cache._length_t is None or min(lengths) == 0 or max(lengths) + q > cache.max_cache_len:
+        if cache._length_t is None or low == 0 or high + q > cache.max_cache_len:
             return None  # before the prefill or at the end of the storage: eager (raises there)
         rest = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _INPUTS))
         if not all(isinstance(v, _SCALARS) for _, v in rest):
@@ -113,8 +113,11 @@ class DecodeGraphs:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = generate_cache(kwargs)
-        lengths = None if args or not getattr(cache, "static", False) else cache._host_lengths()
-        key = None if lengths is None else self._key(cache, kwargs, lengths)
+        if args or not getattr(cache, "static", False):
+            return self.model(*args, **kwargs)
+        lengths = cache._host_lengths()
+        low, high = min(lengths), max(lengths)
+        key = self._key(cache, kwargs, low, high)
         if key is None:
             return self.model(*args, **kwargs)
         q = key[1]
@@ -127,9 +130,14 @@ class DecodeGraphs:
             return self.model(*args, **kwargs)
         if entry is _MISSING:
             return self._capture(key, cache, kwargs)
-        written = entry.written_cells(lengths) if entry.written_cells is not None else (0, 1)
-        if min(written) != max(written):  # the cells it writes disagree (a draft not rolled back): eager raises
-            return self.model(*args, **kwargs)
+        # the cells it writes must agree (they do not after a draft that was not rolled back: eager raises)
+        if entry.writes_all:
+            if low != high:
+                return self.model(*args, **kwargs)
+        else:
+            written = entry.written_cells(lengths) if entry.written_cells is not None else (0, 1)
+            if min(written) != max(written):
+                return self.model(*args, **kwargs)
         entry.input_ids.copy_(kwargs["input_ids"])
         if entry.attention_mask is not None:
             entry.attention_mask.copy_(mask[:, -q:])
@@ -170,6 +178,7 @@ class DecodeGraphs:
         cells = [i for i, n in enumerate(entry.written) if n]
         if cells:  # (the first one twice: a tuple for a single cell too)
             entry.written_cells = operator.itemgetter(*cells, cells[0])
+            entry.writes_all = len(cells) == len(entry.written)
         try:
             entry.graph, entry.logits = self._record(lambda: self._forward(entry, cache, kwargs).logits, cache)
         except RuntimeError as err:  # an op that cannot be captured: this batch size decodes eagerly from now on

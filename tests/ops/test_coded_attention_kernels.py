@@ -55,6 +55,8 @@ class Case:
     moving: bool = True  # per-query bounds differ inside a block
     strided: bool = False  # history borrowed as a view into a larger buffer (a share cell's source)
     lean: float = 2.0  # sink keys lean towards the first H_kv query heads by this much (a sink maximum exists)
+    vgroup: int = 32  # value channel group of the codes
+    guard: bool = False  # every tensor a view into a buffer whose columns past the head dim hold NaN / 0xFF
 
     def id(self) -> str:
         fmt = {4: "int4", 2: "int2", 0: "bf16"}[self.fmt]
@@ -63,6 +65,8 @@ class Case:
         extra += f"-ns{self.splits}" if self.splits else ""
         extra += "-strided" if self.strided else ""
         extra += f"-lean{self.lean:g}" if self.lean != 2.0 else ""
+        extra += f"-G{self.vgroup}" if self.vgroup != 32 else ""
+        extra += "-guard" if self.guard else ""
         return f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-S{self.S}-T{self.hist}-W{self.Wn}-Q{self.Q}-{fmt}{extra}"
 
 
@@ -101,7 +105,10 @@ def _build(case: Case, dtype: torch.dtype, seed: int = 0):
         if case.Q > 1:
             valid[-1, n] = False  # a padded new token (it still attends to itself)
     if case.fmt:
-        history = (naive.quantize_keys(hk, case.fmt, group_size=PAGE), naive.quantize_values(hv, case.fmt))
+        history = (
+            naive.quantize_keys(hk, case.fmt, group_size=PAGE),
+            naive.quantize_values(hv, case.fmt, group_size=case.vgroup),
+        )
     else:
         history = (hk.to(dtype), hv.to(dtype))
     return dict(
@@ -115,6 +122,15 @@ def _widen(x, device):
     big = torch.zeros(x.shape[0] + 1, x.shape[1] + 2, x.shape[2] + 5, x.shape[3], dtype=x.dtype, device=device)
     big[1:, 2:, 3 : 3 + x.shape[2]] = x
     return big[1:, 2:, 3 : 3 + x.shape[2]]
+
+
+def _guard(t):
+    """The same values as a view into a buffer 8 columns wider whose extra columns hold NaN (floats) or 0xFF (codes):
+    a kernel that reads past the head dim (its padded tile) sees them in the scores or in the sums."""
+    fill = float("nan") if t.is_floating_point() else 255
+    big = torch.full((*t.shape[:-1], t.shape[-1] + 8), fill, dtype=t.dtype, device=t.device)
+    big[..., : t.shape[-1]] = t
+    return big[..., : t.shape[-1]]
 
 
 def _view(data, dtype, device="cpu", plane=False):
@@ -137,6 +153,16 @@ def _view(data, dtype, device="cpu", plane=False):
         hk, hv = hk.to(device=device, dtype=dtype), hv.to(device=device, dtype=dtype)
         if case.strided:
             hk, hv = _widen(hk, device), _widen(hv, device)
+    if case.guard:
+        conv = {k: _guard(v) for k, v in conv.items()}
+        if isinstance(hk, naive.QuantizedKeys):
+            hk = naive.QuantizedKeys(_guard(hk.codes), _guard(hk.scale), _guard(hk.zero), hk.nbits, hk.group_size)
+            hv = naive.QuantizedValues(
+                _guard(hv.hi), None if hv.lo is None else _guard(hv.lo), _guard(hv.scale), _guard(hv.zero), hv.nbits,
+                hv.group_size,
+            )  # fmt: skip
+        else:
+            hk, hv = _guard(hk), _guard(hv)
     s_len = min(case.S, data["n"])
     return CellView(
         new_key=conv["nk"], new_value=conv["nv"], length=data["n"], history_end=data["bounds"].to(device),
@@ -172,6 +198,8 @@ def _run_kernel(data, device=DEVICE, vprec=None, stats=None, tuning=None):
     case, dtype = data["case"], data["dtype"]
     use_vprec = case.vprec if vprec is None else vprec
     query, view = data["q"].to(device=device, dtype=dtype), _view(data, dtype, device)
+    if case.guard:
+        query = _guard(query)
     reason = _kernel_supports(query, view, data["tau"] if use_vprec else None)
     if reason is not None and not INTERPRET:  # coded_attention sends such shapes to the reference
         pytest.skip(f"the compiled kernel does not take {reason}")
@@ -333,6 +361,38 @@ def test_dense_head_dims_that_are_no_power_of_two(case, dtype):
     """A dense history with a head dim that is no power of two (Huginn-0125's 96) is read in zero-padded tiles of the
     next power of two: the padded columns add nothing to the scores and are not written to the output."""
     _check(case, dtype)
+
+
+CODED_NPOW2_CASES = [
+    # one query row per KV head (the word path; Huginn-0125's 96 = 3 value groups of 32, read as 4)
+    Case(hist=1, D=96, Hq=2, Hkv=2, lean=0.3, guard=True),
+    Case(hist=31, D=96, Hq=2, Hkv=2, fmt=2, lean=0.3, guard=True),
+    Case(hist=33, D=96, Hq=2, Hkv=2, vprec=False, splits=2, lean=0.3, guard=True),
+    Case(hist=100, D=96, Hq=2, Hkv=2, splits=3, pad=True, B=2, lean=0.3, guard=True),  # V precision across splits
+    Case(hist=200, D=96, Hq=2, Hkv=2, splits=1, lean=0.3, guard=True),  # 7 pages in one split: v5's pipeline fills
+    # borrowed codes (a share cell reads its source's buffer)
+    Case(hist=100, D=96, Hq=2, Hkv=2, fmt=4, vprec=False, strided=True, splits=2, lean=0.0, guard=True),
+    # several query rows per KV head (GQA, verification blocks with per-query bounds): the per-lane dot path
+    Case(hist=64, D=96, Q=5, Hq=4, Hkv=2, pad=True, B=2, splits=2, guard=True),
+    Case(hist=33, D=96, Q=3, Hq=2, Hkv=1, fmt=2, strided=True, guard=True),
+    Case(hist=100, D=96, Q=1, Hq=4, Hkv=1, vprec=False, splits=3, guard=True),
+    # other head dims that are no power of two: 80 (5 groups of 16, read as 8), 48 (3 groups of 16, read as 4)
+    Case(hist=100, D=80, Hq=2, Hkv=2, vgroup=16, splits=2, pad=True, B=2, lean=0.3, guard=True),
+    Case(hist=31, D=80, Q=4, Hq=2, Hkv=1, fmt=2, vgroup=16, guard=True),
+    Case(hist=70, D=48, Hq=2, Hkv=2, fmt=2, vgroup=16, lean=0.3, guard=True),
+    Case(hist=70, D=48, Q=3, Hq=4, Hkv=2, vgroup=16, pad=True, B=2, splits=2, guard=True),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CODED_NPOW2_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_coded_head_dims_that_are_no_power_of_two(case, dtype):
+    """Coded history (INT4 / INT2, own or borrowed codes, V precision on and off) with a head dim that is no power of
+    two (Huginn-0125's 96): key words, scale / zero tiles and value groups past the head dim load 0 in tiles of the
+    next power of two, on the one-row word path, the multi-row path, across splits and with padding."""
+    _check(case, dtype)
+
+
 DENSE_SETTINGS = {"tile16": {"tile": 16, "programs_per_sm": 2}, "tile64": {"tile": 64, "num_warps": 8, "num_stages": 2}}
 
 
@@ -391,6 +451,25 @@ def test_vprec_modes_match_reference(case, dtype, setting):
     lse and cold count (fp32: exactly the reference's cold set, tau = 4 mixes cold and hot tokens; fp16: the
     shifted-field reads, at 1 page per step)."""
     _check(case, dtype, tuning=VPREC_SETTINGS[setting])
+
+
+NPOW2_ROW1_SETTINGS = {**ROW1_SETTINGS, **{k: VPREC_SETTINGS[k] for k in ("v5-pipe", "v5-scores", "v5-pipe-unroll")}}
+
+
+@pytest.mark.parametrize(
+    "case, setting",
+    [
+        pytest.param(c, k, id=f"{c.id()}-{k}")
+        for c in CODED_NPOW2_CASES
+        if c.Q == 1 and c.Hq == c.Hkv
+        for k in NPOW2_ROW1_SETTINGS
+        if k in ROW1_SETTINGS or (c.fmt == 4 and c.vprec)  # v5's modes change only V precision
+    ],
+)
+def test_coded_head_dims_that_are_no_power_of_two_row1_settings(case, setting):
+    """The one-row path's other settings at those head dims: v3's bytes, two pages per step, and v5's V precision
+    (the pipelined loop, the score pass, two steps per iteration)."""
+    _check(case, torch.float32, tuning=NPOW2_ROW1_SETTINGS[setting])
 
 
 @pytest.mark.parametrize(
@@ -543,6 +622,33 @@ def test_vprec_modes_gpu_sweep(case, setting):
     _check(case, torch.bfloat16, tuning=VPREC_SETTINGS[setting])
 
 
+GPU_NPOW2 = [
+    Case(B=2, Hq=8, Hkv=8, D=96, S=32, hist=h, Wn=256, Q=1, fmt=f, vprec=v)
+    for h in (1, 33, 1000, 8192)
+    for f, v in ((4, True), (4, False), (2, False))
+] + [
+    Case(B=2, Hq=8, Hkv=8, D=96, S=32, hist=8192, Wn=256, Q=5, fmt=4, vprec=True, pad=True),  # verification block
+    Case(B=2, Hq=8, Hkv=8, D=96, S=32, hist=2000, Wn=64, Q=1, fmt=4, strided=True, guard=True),  # borrowed codes
+    Case(B=2, Hq=8, Hkv=2, D=80, S=4, hist=1000, Wn=64, Q=3, fmt=2, vgroup=16, pad=True),
+]
+"""Huginn-0125's head dim 96 (and 80) over coded history on the GPU, bf16: decode and a verification block."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_NPOW2])
+def test_coded_head_dims_that_are_no_power_of_two_gpu(case):
+    _check(case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in GPU_NPOW2 if c.fmt == 4 and c.vprec and c.Q == 1])
+@pytest.mark.parametrize("setting", list(VPREC_SETTINGS))
+def test_coded_head_dims_that_are_no_power_of_two_vprec_modes_gpu(case, setting):
+    _check(case, torch.bfloat16, tuning=VPREC_SETTINGS[setting])
+
+
 def test_kernel_refuses_shapes_it_cannot_take():
     """Shapes the compiled kernel cannot take go to the reference (announced), never to a wrong launch."""
     from triton_ops.coded_attention.ops import _kernel_supports
@@ -553,8 +659,14 @@ def test_kernel_refuses_shapes_it_cannot_take():
     assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
     data = _build(Case(hist=40, D=96, fmt=0), torch.float32)  # dense: padded tiles
     assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
-    data = _build(Case(hist=40, D=96), torch.float32)  # codes: powers of two only
-    assert "head_dim 96" in _kernel_supports(data["q"], _view(data, torch.float32))
+    data = _build(Case(hist=40, D=96), torch.float32)  # codes too (Huginn-0125): padded tiles of 128
+    assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
+    data = _build(Case(hist=40, D=48, vgroup=16), torch.float32)  # tiles of 64
+    assert _kernel_supports(data["q"], _view(data, torch.float32)) is None
+    data = _build(Case(hist=40, D=24, vgroup=8), torch.float32)  # tiles of 32: too narrow for the per-lane dots
+    assert "head_dim 24 with coded history" in _kernel_supports(data["q"], _view(data, torch.float32))
+    data = _build(Case(hist=40, D=12, fmt=0), torch.float32)
+    assert "head_dim 12 (the kernel needs >= 16)" in _kernel_supports(data["q"], _view(data, torch.float32))
     data = _build(Case(hist=40, D=64), torch.float32)
     assert _kernel_supports(data["q"].double(), _view(data, torch.float64)) is not None
     # V precision over more than 16 query rows per KV head goes to the reference (not validated on the GPU)

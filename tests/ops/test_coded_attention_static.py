@@ -30,6 +30,8 @@ CASES = [
     Case(B=2, Hq=2, Hkv=1, D=32, S=0, hist=20, Wn=4, Q=1, fmt=0, vprec=False, pad=True),
     Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=70, Wn=6, Q=1, fmt=4, vprec=True, pad=True),  # one row per KV head: ROW1
     Case(B=1, Hq=1, Hkv=1, D=64, S=4, hist=50, Wn=3, Q=1, fmt=2, vprec=False),  # ROW1, INT2
+    Case(B=2, Hq=2, Hkv=2, D=96, S=4, hist=70, Wn=6, Q=1, fmt=4, vprec=True, pad=True),  # Huginn-0125's head dim
+    Case(B=2, Hq=2, Hkv=1, D=96, S=4, hist=64, Wn=6, Q=3, fmt=2, vprec=False),  # padded tiles, several rows
 ]
 
 

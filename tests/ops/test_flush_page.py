@@ -61,6 +61,8 @@ CASES = [
     Case(B=3, H=1, D=128, P=32, G=32, C=70, N=3, first=50, page=2, mask="partial"),  # LoopKV's page and group
     Case(K=3, C=30, first=37, page=1, floor=45, mask="partial"),  # 3 pages a call, the first no longer held, wrapping
     Case(K=2, C=30, first=20, page=0, mask="empty-row"),
+    # Huginn-0125's head dim 96 (no power of two): 3 value groups of 32 and 48 / 24 key bytes, read in padded tiles
+    Case(B=2, H=2, D=96, P=32, G=32, C=40, N=3, first=50, page=1, mask="partial"),
 ]
 
 
@@ -328,14 +330,17 @@ def test_flush_page_errors_name_the_argument():
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
 @pytest.mark.parametrize("coded", [False, True], ids=["every-due-page", "coded-slots-table"])
 @pytest.mark.parametrize("nbits", [2, 4], ids=["bits2", "bits4"])
-def test_flush_kernel_compiles_for_sm90(nbits, coded):
+@pytest.mark.parametrize("d", [128, 96], ids=["D128", "D96"])
+def test_flush_kernel_compiles_for_sm90(nbits, coded, d):
     """The interpreter runs Python, not Triton's compiler (which, e.g., needs one type per name across a branch):
-    compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels, pages and groups of
-    32, a validity mask, with and without the `coded` slots and the cell table), with no GPU."""
+    compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels or Huginn-0125's 96 in
+    padded tiles, pages and groups of 32, a validity mask, with and without the `coded` slots and the cell table),
+    with no GPU."""
+    from triton_ops._dispatch import next_pow2
     from triton_ops.quant.kernels import _flush_page_fwd_kernel as fn
 
-    consts = dict(D=128, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=16 * nbits, BLOCK_NG=4, BLOCK_K=8,
-                  USE_VALID=True, USE_CODED=coded, TABLE=coded)  # fmt: skip
+    consts = dict(D=d, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=next_pow2(d * nbits // 8),
+                  BLOCK_NG=next_pow2(d // 32), BLOCK_K=8, USE_VALID=True, USE_CODED=coded, TABLE=coded)  # fmt: skip
     ptr = dict(k_ptr="bf16", v_ptr="bf16", slots_ptr="i64", valid_ptr="i1", due_ptr="i1", start_ptr="i64",
                floor_ptr="i64", page_ptr="i64", codes_ptr="u8", kscale_ptr="fp16", kzero_ptr="fp16", hi_ptr="u8",
                lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16", coded_ptr="i32", table_ptr="i64")  # fmt: skip

@@ -91,9 +91,9 @@ def test_rotate_half_equals_reference(dtype, shape):
     assert out.is_contiguous()
     strided = _rand((b, q, h * d * 2), dtype, 5)[..., : h * d].view(b, q, h, d)  # a slice of a wider projection
     got_s, ref_s = fused.rotate_half(strided, cos, sin), reference.ref_rotate_half(strided, cos, sin)
-    if INTERPRET or dtype == torch.float32:  # elementwise, rounded where the eager code rounds: bit for bit
+    if INTERPRET:  # elementwise, rounded where the eager code rounds: bit for bit
         assert torch.equal(out, ref) and torch.equal(got_s, ref_s)
-    else:  # compiled, a multiply-add may be fused (the H200 parted by a unit in bf16): STYLE's bound
+    else:  # compiled, a multiply-add may be fused (the H200 parted by a unit in bf16 and in fp32): STYLE's bound
         for o, r, t in ((out, ref, x), (got_s, ref_s, strided)):
             _within_style(o, r, reference.ref_rotate_half(t.double(), cos.double(), sin.double()))
 
@@ -127,7 +127,10 @@ def test_silu_mul_matches_reference(dtype):
     ref = reference.ref_silu_mul(gate, up)
     assert out.is_contiguous() and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
-    assert _ulps(out, ref) <= 1 or dtype == torch.float32
+    if INTERPRET:
+        assert _ulps(out, ref) <= 1 or dtype == torch.float32
+    else:  # compiled: the exponential and the multiply-add may round elsewhere (STYLE's bound)
+        _within_style(out, ref, reference.ref_silu_mul(gate.double(), up.double()))
 
 
 @kernels

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (B, H, T, D, group_size)
-CASES = [(1, 1, 32, 32, 32), (2, 3, 64, 64, 32), (2, 2, 32, 48, 16), (1, 2, 32, 128, 32), (1, 1, 96, 8, 32)]
+CASES = [(1, 1, 32, 32, 32), (2, 3, 64, 64, 32), (2, 2, 32, 48, 16), (1, 2, 32, 128, 32), (1, 1, 96, 8, 32), (2, 2, 64, 96, 32)]
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
 

@@ -28,6 +28,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _cmask(m, ok, PAD: tl.constexpr):
+    """A load mask `m` with `ok` (the channels, words or value groups inside the head dim) when the tile is padded
+    (`PAD`: a head dim that is no power of two, e.g. Huginn-0125's 96, read in tiles of 128 whose columns past it
+    load 0); `m` itself otherwise, so a power-of-two head dim compiles to the same loads as without padding."""
+    if PAD:
+        return m & ok
+    else:
+        return m
+
+
+@triton.jit
 def _online_update(b_s, b_m, b_l, b_acc):
     """One flash step: new running max, rescaled `l` / `acc`, and the probabilities `p` of the tile `b_s` (log2)."""
     b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))  # [BR]
@@ -50,12 +61,19 @@ def _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc, o_cols, m_row, D: tl
 
 
 @triton.jit
-def _codes_scores(b_s, b_qj, b_pk, p_ks, p_kz, SHIFT: tl.constexpr, QMAX: tl.constexpr, IEEE: tl.constexpr):
+def _codes_scores(
+    b_s, b_qj, b_pk, p_ks, p_kz, m_c, SHIFT: tl.constexpr, QMAX: tl.constexpr, IEEE: tl.constexpr, PAD: tl.constexpr
+):
     """Add the scores of one bit lane of packed key codes `b_pk` [P, DK]: `k = c * scale + zero` per channel, so the
-    page's scale folds into the queries `b_qj` [BR, DK] of the lane's channels and its zero into a row bias."""
+    page's scale folds into the queries `b_qj` [BR, DK] of the lane's channels and its zero into a row bias. `PAD`:
+    scale and zero load 0 outside the lane's channels `m_c` [DK] (a head dim that is no power of two)."""
     b_c = ((b_pk >> SHIFT) & QMAX).to(b_qj.dtype)  # [P, DK], exact small integers
-    b_ks = tl.load(p_ks).to(tl.float32)  # [DK]
-    b_kz = tl.load(p_kz).to(tl.float32)
+    if PAD:
+        b_ks = tl.load(p_ks, mask=m_c, other=0.0).to(tl.float32)  # [DK]
+        b_kz = tl.load(p_kz, mask=m_c, other=0.0).to(tl.float32)
+    else:
+        b_ks = tl.load(p_ks).to(tl.float32)  # [DK]
+        b_kz = tl.load(p_kz).to(tl.float32)
     b_qf = b_qj.to(tl.float32)
     b_s += _dot((b_qf * b_ks[None, :]).to(b_qj.dtype), tl.trans(b_c), IEEE)
     b_s += tl.sum(b_qf * b_kz[None, :], axis=1)[:, None]
@@ -117,7 +135,7 @@ def _codes_history_row1(
     hist_start, p_begin, p_end, n_pages, qk_scale, margin,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
     USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, DH: tl.constexpr,
 ):
     """History pages `[p_begin, p_end)` of codes for ONE query row (decode without GQA, the common case), without
     matrix instructions: `NP` pages per loop step, scores as elementwise products summed over channels, values
@@ -150,6 +168,9 @@ def _codes_history_row1(
     o_tt = tl.arange(0, T)
     o_g = tl.arange(0, NG)
     o_c8 = tl.arange(0, VG4)
+    PAD: tl.constexpr = DH < D  # head dim DH < D: key bytes, channels and value groups past DH load 0
+    m_gd = o_g < DH // VGROUP
+    m_gv, m_gs = m_gd[None, :, None], m_gd[None, :]
     limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
     b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
     b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
@@ -168,14 +189,26 @@ def _codes_history_row1(
         o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]  # [NP, PAGE] history token index
         m_vis = o_t2 < limit
         o_t3 = o_t2[:, :, None]
-        b_pk = tl.load(hk_ptr + o_t3 * stride_hkt + o_ck[None, None, :], mask=o_t3 < limit, other=0).to(tl.int32)
+        b_pk = tl.load(
+            hk_ptr + o_t3 * stride_hkt + o_ck[None, None, :],
+            mask=_cmask(o_t3 < limit, (o_ck < DH // PB)[None, None, :], PAD), other=0,
+        ).to(tl.int32)
         # scores: page scale folded into the query per lane, page zero into a per-page bias
-        b_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pg[:, None], other=0.0)
+        b_kz = tl.load(
+            hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+            mask=_cmask(m_pg[:, None], (o_d < DH)[None, :], PAD), other=0.0,
+        )
         b_bias = tl.sum(b_kz.to(tl.float32) * b_q[None, :], axis=1)  # [NP]
         b_s = tl.zeros([NP, PAGE], dtype=tl.float32) + b_bias[:, None]
         for j in tl.static_range(PB):
-            b_qj = tl.load(q_ptr + o_ck * PB + j).to(tl.float32) * qk_scale  # [DK], from L1
-            b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + (o_ck * PB + j)[None, :], mask=m_pg[:, None], other=0.0)
+            if PAD:
+                b_qj = tl.load(q_ptr + o_ck * PB + j, mask=o_ck * PB + j < DH, other=0.0).to(tl.float32) * qk_scale
+            else:
+                b_qj = tl.load(q_ptr + o_ck * PB + j).to(tl.float32) * qk_scale  # [DK], from L1
+            b_ks = tl.load(
+                hks_ptr + o_pg[:, None] * stride_hksp + (o_ck * PB + j)[None, :],
+                mask=_cmask(m_pg[:, None], (o_ck * PB + j < DH)[None, :], PAD), other=0.0,
+            )
             b_qs = b_ks.to(tl.float32) * b_qj[None, :] * KSC  # [NP, DK]
             if FAST:
                 b_s -= tl.sum(b_qs, axis=1)[:, None]
@@ -216,10 +249,10 @@ def _codes_history_row1(
             o_t1 = i_p0 * PAGE + o_tt  # [T]
             m_t1 = o_t1 < limit
             o_v3 = o_t1[:, None, None] * stride_hvt + (o_g[:, None] * VG4 + o_c8[None, :])[None, :, :]
-            b_hi = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0).to(tl.int32)  # [T, NG, VG4]
+            b_hi = tl.load(hv_ptr + o_v3, mask=_cmask(m_t1[:, None, None], m_gv, PAD), other=0).to(tl.int32)
             o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-            b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)  # [T, NG]
-            b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0).to(tl.float32)
+            b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t1[:, None], m_gs, PAD), other=0.0).to(tl.float32)  # [T, NG]
+            b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t1[:, None], m_gs, PAD), other=0.0).to(tl.float32)
             b_w = b_p1[:, None] * b_vs  # [T, NG]: p * scale
             b_az += b_p1[:, None] * b_vz
             if FAST:
@@ -231,7 +264,7 @@ def _codes_history_row1(
                     m_lo = m_t1 & m_hot1
                 else:
                     m_lo = m_t1
-                b_lo = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0).to(tl.int32)  # 0 where cold
+                b_lo = tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None, None], m_gv, PAD), other=0).to(tl.int32)
                 # the 4-bit code 4 hi + lo of lane j: hi's field next to lo's (FAST: both at the mantissa's top)
                 b_a0 += b_w3 * _vcode(b_hi, b_lo, 0, FAST)
                 b_a1 += b_w3 * _vcode(b_hi, b_lo, 2, FAST)
@@ -405,7 +438,7 @@ def _codes_history_row1w(
     hist_start, p_begin, p_end, n_pages, margin, sc_ptr,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
     USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
-    FAST: tl.constexpr, SCORES: tl.constexpr,
+    FAST: tl.constexpr, SCORES: tl.constexpr, DH: tl.constexpr,
 ):
     """`_codes_history_row1` reading codes as 32-bit words (v4): key words `[NP, PAGE, D * nbits / 32]`, value
     words `[T, groups, VGROUP / 16]` per plane, each word unpacked in registers by shift + LOP3 per field (no byte
@@ -428,6 +461,9 @@ def _codes_history_row1w(
     o_g = tl.arange(0, NG)
     o_u = tl.arange(0, VW)
     o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]  # [1, NG, VW] word of the value plane
+    PAD: tl.constexpr = DH < D  # head dim DH < D: key words, channels and value groups past DH load 0
+    m_wd, m_cd, m_gd = (o_w < DH // LANES)[None, None, :], (o_d < DH)[None, :], o_g < DH // VGROUP
+    m_gv, m_gs = m_gd[None, :, None], m_gd[None, :]
     limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
     b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
     b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
@@ -447,20 +483,26 @@ def _codes_history_row1w(
     # the first step's tiles (the loop loads the next step's at its top)
     o_pg = p_begin + o_np
     o_t3 = (o_pg[:, None] * PAGE + o_pt[None, :])[:, :, None]
-    n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
-    n_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
-    n_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+    n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
+    n_ks = tl.load(
+        hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+        mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+    )
+    n_kz = tl.load(
+        hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+        mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+    )
     if not PAGE_MAX_ONLY:
         o_t1 = p_begin * PAGE + o_tt
         o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-        n_vh = tl.load(hv_ptr + o_v3, mask=(o_t1 < limit)[:, None, None], other=0)
+        n_vh = tl.load(hv_ptr + o_v3, mask=_cmask((o_t1 < limit)[:, None, None], m_gv, PAD), other=0)
         if KV_FMT == 4 and not USE_VPREC:
-            n_vl = tl.load(hvl_ptr + o_v3, mask=(o_t1 < limit)[:, None, None], other=0)
+            n_vl = tl.load(hvl_ptr + o_v3, mask=_cmask((o_t1 < limit)[:, None, None], m_gv, PAD), other=0)
         else:
             n_vl = n_vh
         o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-        n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
-        n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+        n_vs = tl.load(hvs_ptr + o_s2, mask=_cmask((o_t1 < limit)[:, None], m_gs, PAD), other=0.0)
+        n_vz = tl.load(hvz_ptr + o_s2, mask=_cmask((o_t1 < limit)[:, None], m_gs, PAD), other=0.0)
     for i_p0 in range(p_begin, p_end, NP):
         b_kw, b_ksf, b_kz = n_kw, n_ks, n_kz
         if not PAGE_MAX_ONLY:
@@ -468,22 +510,22 @@ def _codes_history_row1w(
         # the next step's tiles, in flight while this step computes (masked off past the split's end)
         o_pgn = i_p0 + NP + o_np
         o_t3n = (o_pgn[:, None] * PAGE + o_pt[None, :])[:, :, None]
-        n_kw = tl.load(hk_ptr + o_t3n * stride_hkt + o_w[None, None, :], mask=o_t3n < limit, other=0)
+        n_kw = tl.load(hk_ptr + o_t3n * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3n < limit, m_wd, PAD), other=0)
         m_pgn = (o_pgn < p_end)[:, None]
-        n_ks = tl.load(hks_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=m_pgn, other=0.0)
-        n_kz = tl.load(hkz_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=m_pgn, other=0.0)
+        n_ks = tl.load(hks_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=_cmask(m_pgn, m_cd, PAD), other=0.0)
+        n_kz = tl.load(hkz_ptr + o_pgn[:, None] * stride_hksp + o_d[None, :], mask=_cmask(m_pgn, m_cd, PAD), other=0.0)
         if not PAGE_MAX_ONLY:
             o_t1n = (i_p0 + NP) * PAGE + o_tt
             m_t1n = o_t1n < limit
             o_v3n = o_t1n[:, None, None] * stride_hvt + o_gu
-            n_vh = tl.load(hv_ptr + o_v3n, mask=m_t1n[:, None, None], other=0)
+            n_vh = tl.load(hv_ptr + o_v3n, mask=_cmask(m_t1n[:, None, None], m_gv, PAD), other=0)
             if KV_FMT == 4 and not USE_VPREC:
-                n_vl = tl.load(hvl_ptr + o_v3n, mask=m_t1n[:, None, None], other=0)
+                n_vl = tl.load(hvl_ptr + o_v3n, mask=_cmask(m_t1n[:, None, None], m_gv, PAD), other=0)
             else:
                 n_vl = n_vh
             o_s2n = o_t1n[:, None] * stride_hvst + o_g[None, :]
-            n_vs = tl.load(hvs_ptr + o_s2n, mask=m_t1n[:, None], other=0.0)
-            n_vz = tl.load(hvz_ptr + o_s2n, mask=m_t1n[:, None], other=0.0)
+            n_vs = tl.load(hvs_ptr + o_s2n, mask=_cmask(m_t1n[:, None], m_gs, PAD), other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2n, mask=_cmask(m_t1n[:, None], m_gs, PAD), other=0.0)
         # scores: the page's key scale folded into the lane queries, its zero into a per-page bias
         o_pg = i_p0 + o_np  # [NP] pages
         m_pg = o_pg < p_end
@@ -531,7 +573,7 @@ def _codes_history_row1w(
                 b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
                 m_lo = m_t1 & tl.reshape(m_hot, [T])
                 o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-                b_vl = tl.load(hvl_ptr + o_v3, mask=m_lo[:, None, None], other=0)  # 0 where cold
+                b_vl = tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None, None], m_gv, PAD), other=0)  # 0 where cold
             b_p1 = tl.reshape(b_p, [T])
             b_vsf = b_vs.to(tl.float32)
             b_w = b_p1[:, None] * b_vsf  # [T, NG]: p * scale
@@ -730,7 +772,7 @@ def _vp_scores_ahead(
     i0, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt, stride_hksp, hist_start,
     limit, p_end, b_run, margin, kw, ks, kz, vd, sc, cnt_c, cnt_a,
     D: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, USE_VALID: tl.constexpr, COUNT: tl.constexpr,
-    SCORES: tl.constexpr, FAST: tl.constexpr,
+    SCORES: tl.constexpr, FAST: tl.constexpr, DH: tl.constexpr,
 ):
     """Unrolled `_codes_history_row1p` (`VUNROLL`), first half of a step: step `k + 1`'s scores (step `k` starts at
     page `i0`) from its inputs `kw, ks, kz, vd` (or `sc` with `SCORES`), its running maxima, hot set and counts;
@@ -742,6 +784,7 @@ def _vp_scores_ahead(
     o_pt = tl.arange(0, PAGE)
     o_w = tl.arange(0, D // 8)
     o_d = tl.arange(0, D)
+    PAD: tl.constexpr = DH < D  # head dim DH < D: key words and channels past DH load 0
     o_pg = i0 + NP + o_np
     o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
     if SCORES:
@@ -762,11 +805,20 @@ def _vp_scores_ahead(
         sc = tl.load(sc_ptr + o_t23, mask=o_t23 < limit, other=float("-inf"))
     else:
         o_t3 = o_t23[:, :, None]
-        kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+        kw = tl.load(
+            hk_ptr + o_t3 * stride_hkt + o_w[None, None, :],
+            mask=_cmask(o_t3 < limit, (o_w < DH // 8)[None, None, :], PAD), other=0,
+        )
         o_du = o_d + (p_end < 0).to(tl.int32)  # = o_d (p_end >= 0), alignment unknown to the compiler
         m_pg3 = (o_pg3 < p_end)[:, None]
-        ks = tl.load(hks_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :], mask=m_pg3, other=0.0)
-        kz = tl.load(hkz_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :], mask=m_pg3, other=0.0)
+        ks = tl.load(
+            hks_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :],
+            mask=_cmask(m_pg3, (o_du < DH)[None, :], PAD), other=0.0,
+        )
+        kz = tl.load(
+            hkz_ptr + o_pg3[:, None] * stride_hksp + o_du[None, :],
+            mask=_cmask(m_pg3, (o_du < DH)[None, :], PAD), other=0.0,
+        )
         if USE_VALID:
             vd = tl.load(p_valid + (hist_start + o_t23) * stride_validt, mask=o_t23 < limit, other=0)
     return b_s1, m_hot1, b_mx1, b_run, cnt_c, cnt_a, kw, ks, kz, vd, sc
@@ -777,6 +829,7 @@ def _vp_values(
     i0, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7,
     c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, NP: tl.constexpr, FAST: tl.constexpr,
+    DH: tl.constexpr,
 ):
     """Unrolled `_codes_history_row1p` (`VUNROLL`), second half of a step: step `k`'s planes merged into 4-bit
     codes, step `k + 1`'s `hi` / `lo` words loaded (`lo` masked by its hot set `m_hot1`), step `k`'s value sums
@@ -787,13 +840,14 @@ def _vp_values(
     o_g = tl.arange(0, NG)
     o_u = tl.arange(0, VW)
     o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]
+    m_gd = (o_g < DH // VGROUP)[None, :, None]  # value groups inside the head dim (padding: DH < D)
     b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
     b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
     o_t1 = (i0 + NP) * PAGE + tl.arange(0, T)
     m_t1 = o_t1 < limit
     o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-    n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
-    n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
+    n_vh = tl.load(hv_ptr + o_v3, mask=_cmask(m_t1[:, None, None], m_gd, DH < D), other=0)
+    n_vl = tl.load(hvl_ptr + o_v3, mask=_cmask((m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], m_gd, DH < D), other=0)
     if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
         b_alpha = tl.exp2(b_mr - b_mx)
         b_lv *= b_alpha
@@ -831,7 +885,7 @@ def _codes_history_row1p(
     sc_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, i_prog, nh, hist_start, p_begin,
     p_end, margin,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, NP: tl.constexpr, USE_VALID: tl.constexpr,
-    COUNT: tl.constexpr, SCORES: tl.constexpr, FAST: tl.constexpr, VUNROLL: tl.constexpr,
+    COUNT: tl.constexpr, SCORES: tl.constexpr, FAST: tl.constexpr, VUNROLL: tl.constexpr, DH: tl.constexpr,
 ):
     """V precision over INT4 words, software-pipelined (v5): the history loop of `_codes_history_row1w` with
     `USE_VPREC`, reordered so that the `lo` plane is loaded one step ahead like every other tile.
@@ -867,6 +921,9 @@ def _codes_history_row1p(
     o_g = tl.arange(0, NG)
     o_u = tl.arange(0, VW)
     o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]  # [1, NG, VW] word of the value plane
+    PAD: tl.constexpr = DH < D  # head dim DH < D: key words, channels and value groups past DH load 0
+    m_wd, m_cd, m_gd = (o_w < DH // LANES)[None, None, :], (o_d < DH)[None, :], o_g < DH // VGROUP
+    m_gv, m_gs = m_gd[None, :, None], m_gd[None, :]
     limit = tl.minimum(nh, p_end * PAGE)  # history tokens this program reads
     b_mr = tl.max(tl.full([NP], float("-inf"), dtype=tl.float32), axis=0)  # softmax reference (log2 units)
     b_lv = tl.zeros([NP, PAGE], dtype=tl.float32)
@@ -892,9 +949,15 @@ def _codes_history_row1p(
         m_vis = b_s > float("-inf")
     else:
         o_t3 = o_t2[:, :, None]
-        b_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
-        b_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
-        b_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+        b_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
+        b_ks = tl.load(
+            hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+        )
+        b_kz = tl.load(
+            hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+        )
         m_vis = o_t2 < limit
         if USE_VALID:
             m_vis = m_vis & (tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=m_vis, other=0) != 0)
@@ -906,20 +969,29 @@ def _codes_history_row1p(
     o_t1 = p_begin * PAGE + o_tt
     m_t1 = o_t1 < limit
     o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-    b_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
-    b_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot, [T]))[:, None, None], other=0)  # 0 where cold
+    b_vh = tl.load(hv_ptr + o_v3, mask=_cmask(m_t1[:, None, None], m_gv, PAD), other=0)
+    b_vl = tl.load(
+        hvl_ptr + o_v3,
+        mask=_cmask((m_t1 & tl.reshape(m_hot, [T]))[:, None, None], m_gv, PAD), other=0,
+    )  # 0 where cold
     o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-    b_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
-    b_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+    b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t1[:, None], m_gs, PAD), other=0.0)
+    b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t1[:, None], m_gs, PAD), other=0.0)
     o_pg = p_begin + NP + o_np
     o_t2 = o_pg[:, None] * PAGE + o_pt[None, :]
     if SCORES:
         n_s = tl.load(sc_ptr + o_t2, mask=o_t2 < limit, other=float("-inf"))
     else:
         o_t3 = o_t2[:, :, None]
-        n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
-        n_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
-        n_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=(o_pg < p_end)[:, None], other=0.0)
+        n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
+        n_ks = tl.load(
+            hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+        )
+        n_kz = tl.load(
+            hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+        )
         if USE_VALID:
             n_vd = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=o_t2 < limit, other=0)
 
@@ -939,10 +1011,19 @@ def _codes_history_row1p(
         else:
             x_kw, x_ks, x_kz, x_vd, x_s = n_kw, n_ks, n_kz, dz, dz.to(tl.float32)
             o_t3 = o_t2[:, :, None]
-            y_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+            y_kw = tl.load(
+                hk_ptr + o_t3 * stride_hkt + o_w[None, None, :],
+                mask=_cmask(o_t3 < limit, m_wd, PAD), other=0,
+            )
             m_pgy = (o_pg < p_end)[:, None]
-            y_ks = tl.load(hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pgy, other=0.0)
-            y_kz = tl.load(hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=m_pgy, other=0.0)
+            y_ks = tl.load(
+                hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+                mask=_cmask(m_pgy, m_cd, PAD), other=0.0,
+            )
+            y_kz = tl.load(
+                hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
+                mask=_cmask(m_pgy, m_cd, PAD), other=0.0,
+            )
             y_vd, y_s = dz, x_s
             if USE_VALID:
                 x_vd = n_vd
@@ -951,18 +1032,18 @@ def _codes_history_row1p(
             # step k (pages from i_p0): scores of k + 1 from buffer x, values of k
             o_t1 = (i_p0 + NP) * PAGE + o_tt
             o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-            n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
-            n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            n_vs = tl.load(hvs_ptr + o_s2, mask=_cmask((o_t1 < limit)[:, None], m_gs, PAD), other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=_cmask((o_t1 < limit)[:, None], m_gs, PAD), other=0.0)
             b_s1, m_hot1, b_mx1, b_run, b_cnt_cold, b_cnt_all, x_kw, x_ks, x_kz, x_vd, x_s = _vp_scores_ahead(
                 i_p0, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt,
                 stride_hksp, hist_start, limit, p_end, b_run, margin, x_kw, x_ks, x_kz, x_vd, x_s, b_cnt_cold,
-                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST,
+                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST, DH,
             )  # fmt: skip
             b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl = (
                 _vp_values(
                     i_p0, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3,
                     a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit, D, PAGE,
-                    VGROUP, NP, FAST,
+                    VGROUP, NP, FAST, DH,
                 )
             )  # fmt: skip
             b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
@@ -970,18 +1051,18 @@ def _codes_history_row1p(
             # step k + 1: scores of k + 2 from buffer y, values of k + 1
             o_t1 = (i_p0 + 2 * NP) * PAGE + o_tt
             o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-            n_vs = tl.load(hvs_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
-            n_vz = tl.load(hvz_ptr + o_s2, mask=(o_t1 < limit)[:, None], other=0.0)
+            n_vs = tl.load(hvs_ptr + o_s2, mask=_cmask((o_t1 < limit)[:, None], m_gs, PAD), other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=_cmask((o_t1 < limit)[:, None], m_gs, PAD), other=0.0)
             b_s1, m_hot1, b_mx1, b_run, b_cnt_cold, b_cnt_all, y_kw, y_ks, y_kz, y_vd, y_s = _vp_scores_ahead(
                 i_p0 + NP, b_q, b_qk, one, hk_ptr, hks_ptr, hkz_ptr, sc_ptr, p_valid, stride_validt, stride_hkt,
                 stride_hksp, hist_start, limit, p_end, b_run, margin, y_kw, y_ks, y_kz, y_vd, y_s, b_cnt_cold,
-                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST,
+                b_cnt_all, D, PAGE, NP, USE_VALID, COUNT, SCORES, FAST, DH,
             )  # fmt: skip
             b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl = (
                 _vp_values(
                     i_p0 + NP, b_s, m_hot, b_mx, b_vh, b_vl, b_vs, b_vz, m_hot1, b_mr, b_lv, b_az, b_wsum, a0, a1,
                     a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, one, hv_ptr, hvl_ptr, stride_hvt, limit,
-                    D, PAGE, VGROUP, NP, FAST,
+                    D, PAGE, VGROUP, NP, FAST, DH,
                 )
             )  # fmt: skip
             b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
@@ -1000,15 +1081,21 @@ def _codes_history_row1p(
                 n_s2 = tl.load(sc_ptr + o_t22, mask=o_t22 < limit, other=float("-inf"))
             else:
                 m_pg2 = (o_pg2 < p_end)[:, None]
-                n_ks2 = tl.load(hks_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
-                n_kz2 = tl.load(hkz_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :], mask=m_pg2, other=0.0)
+                n_ks2 = tl.load(
+                    hks_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :],
+                    mask=_cmask(m_pg2, m_cd, PAD), other=0.0,
+                )
+                n_kz2 = tl.load(
+                    hkz_ptr + o_pg2[:, None] * stride_hksp + o_d[None, :],
+                    mask=_cmask(m_pg2, m_cd, PAD), other=0.0,
+                )
                 if USE_VALID:
                     n_vd2 = tl.load(p_valid + (hist_start + o_t22) * stride_validt, mask=o_t22 < limit, other=0)
             o_t1 = (i_p0 + NP) * PAGE + o_tt
             m_t1 = o_t1 < limit
             o_s2 = o_t1[:, None] * stride_hvst + o_g[None, :]
-            n_vs = tl.load(hvs_ptr + o_s2, mask=m_t1[:, None], other=0.0)
-            n_vz = tl.load(hvz_ptr + o_s2, mask=m_t1[:, None], other=0.0)
+            n_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t1[:, None], m_gs, PAD), other=0.0)
+            n_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t1[:, None], m_gs, PAD), other=0.0)
             # (2) step k + 1's scores (from inputs loaded one iteration ago), running maxima, hot set
             if SCORES:
                 b_s1 = n_s
@@ -1027,7 +1114,10 @@ def _codes_history_row1p(
                 n_s = n_s2
             else:
                 o_t3 = o_t22[:, :, None]
-                n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=o_t3 < limit, other=0)
+                n_kw = tl.load(
+                    hk_ptr + o_t3 * stride_hkt + o_w[None, None, :],
+                    mask=_cmask(o_t3 < limit, m_wd, PAD), other=0,
+                )
                 n_ks, n_kz = n_ks2, n_kz2
                 if USE_VALID:
                     n_vd = n_vd2
@@ -1037,8 +1127,11 @@ def _codes_history_row1p(
             b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
             b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
             o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
-            n_vh = tl.load(hv_ptr + o_v3, mask=m_t1[:, None, None], other=0)
-            n_vl = tl.load(hvl_ptr + o_v3, mask=(m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], other=0)
+            n_vh = tl.load(hv_ptr + o_v3, mask=_cmask(m_t1[:, None, None], m_gv, PAD), other=0)
+            n_vl = tl.load(
+                hvl_ptr + o_v3,
+                mask=_cmask((m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], m_gv, PAD), other=0,
+            )
             # (5) step k's values
             if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
                 b_alpha = tl.exp2(b_mr - b_mx)
@@ -1327,7 +1420,11 @@ def _coded_attention_fwd_kernel(
         o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
         if ROW1:
             # one query row per KV head (decode, no GQA): the elementwise path, NP pages per step
-            b_q1 = tl.load(q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d).to(tl.float32) * qk_scale
+            p_q1 = q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d
+            if DH < D:  # a head dim that is no power of two: the query is zero past DH
+                b_q1 = tl.load(p_q1, mask=o_d < DH, other=0.0).to(tl.float32) * qk_scale
+            else:
+                b_q1 = tl.load(p_q1).to(tl.float32) * qk_scale
             if USE_VPREC and not PAGE_MAX_ONLY:
                 b_run1 = tl.max(tl.where(o_r == 0, b_run, float("-inf")), axis=0)
             else:
@@ -1345,7 +1442,7 @@ def _coded_attention_fwd_kernel(
                     p_sc, stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, margin,
-                    D, PAGE, VGROUP, NP, USE_VALID, COUNT, SCORES, not IEEE, VUNROLL,
+                    D, PAGE, VGROUP, NP, USE_VALID, COUNT, SCORES, not IEEE, VUNROLL, DH,
                 )  # fmt: skip
             elif WORDS and (SUB > 1 or SUB_STAGES > 0) and not USE_VPREC:  # v6: steps of PAGE // SUB tokens
                 _codes_history_row1s(
@@ -1369,7 +1466,7 @@ def _coded_attention_fwd_kernel(
                     stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, i_bh,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, margin, p_sc,
-                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, SCORES,
+                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, SCORES, DH,
                 )  # fmt: skip
             else:
                 _codes_history_row1(
@@ -1381,7 +1478,7 @@ def _coded_attention_fwd_kernel(
                     stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
-                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE,
+                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, DH,
                 )  # fmt: skip
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
@@ -1409,12 +1506,23 @@ def _coded_attention_fwd_kernel(
             DV: tl.constexpr = D // 4
             o_ck = tl.arange(0, DK)
             o_cv = tl.arange(0, DV)
+            PAD: tl.constexpr = DH < D  # head dim DH < D: key bytes, channels and value bytes past DH load 0
+            m_kb, m_vb = (o_ck < DH // PER_BYTE)[None, :], (o_cv < DH // 4)[None, :]
             p_qrow = q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq
-            b_q0 = tl.load(p_qrow + (o_ck * PER_BYTE)[None, :], mask=m_row[:, None], other=0.0)  # [BR, DK]
-            b_q1 = tl.load(p_qrow + (o_ck * PER_BYTE + 1)[None, :], mask=m_row[:, None], other=0.0)
+            b_q0 = tl.load(
+                p_qrow + (o_ck * PER_BYTE)[None, :],
+                mask=_cmask(m_row[:, None], m_kb, PAD), other=0.0,
+            )  # [BR, DK]
+            b_q1 = tl.load(p_qrow + (o_ck * PER_BYTE + 1)[None, :], mask=_cmask(m_row[:, None], m_kb, PAD), other=0.0)
             if PER_BYTE == 4:
-                b_q2 = tl.load(p_qrow + (o_ck * PER_BYTE + 2)[None, :], mask=m_row[:, None], other=0.0)
-                b_q3 = tl.load(p_qrow + (o_ck * PER_BYTE + 3)[None, :], mask=m_row[:, None], other=0.0)
+                b_q2 = tl.load(
+                    p_qrow + (o_ck * PER_BYTE + 2)[None, :],
+                    mask=_cmask(m_row[:, None], m_kb, PAD), other=0.0,
+                )
+                b_q3 = tl.load(
+                    p_qrow + (o_ck * PER_BYTE + 3)[None, :],
+                    mask=_cmask(m_row[:, None], m_kb, PAD), other=0.0,
+                )
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_ck[None, :]
             p_ks = hks_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_ck * PER_BYTE
             p_kz = hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh + o_ck * PER_BYTE
@@ -1434,15 +1542,19 @@ def _coded_attention_fwd_kernel(
                 if USE_VALID:
                     b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
                     m_vis = m_vis & b_valid[None, :]
-                b_pk = tl.load(p_k + o_t[:, None] * stride_hkt, mask=m_t[:, None], other=0)  # [P, DK] uint8
+                b_pk = tl.load(
+                    p_k + o_t[:, None] * stride_hkt,
+                    mask=_cmask(m_t[:, None], m_kb, PAD), other=0,
+                )  # [P, DK] uint8
                 p_ksp = p_ks + i_p * stride_hksp
                 p_kzp = p_kz + i_p * stride_hksp
                 b_s = tl.zeros([BLOCK_R, PAGE], dtype=tl.float32)
-                b_s = _codes_scores(b_s, b_q0, b_pk, p_ksp, p_kzp, 0, QMAX, IEEE)
-                b_s = _codes_scores(b_s, b_q1, b_pk, p_ksp + 1, p_kzp + 1, KV_FMT, QMAX, IEEE)
+                m_c = o_ck < DH // PER_BYTE  # the key bytes inside the head dim (PAD)
+                b_s = _codes_scores(b_s, b_q0, b_pk, p_ksp, p_kzp, m_c, 0, QMAX, IEEE, PAD)
+                b_s = _codes_scores(b_s, b_q1, b_pk, p_ksp + 1, p_kzp + 1, m_c, KV_FMT, QMAX, IEEE, PAD)
                 if PER_BYTE == 4:
-                    b_s = _codes_scores(b_s, b_q2, b_pk, p_ksp + 2, p_kzp + 2, 4, QMAX, IEEE)
-                    b_s = _codes_scores(b_s, b_q3, b_pk, p_ksp + 3, p_kzp + 3, 6, QMAX, IEEE)
+                    b_s = _codes_scores(b_s, b_q2, b_pk, p_ksp + 2, p_kzp + 2, m_c, 4, QMAX, IEEE, PAD)
+                    b_s = _codes_scores(b_s, b_q3, b_pk, p_ksp + 3, p_kzp + 3, m_c, 6, QMAX, IEEE, PAD)
                 b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, P]
                 if PAGE_MAX_ONLY:
                     tl.store(pmax_ptr + (i_bh * (G * Q) + o_r) * n_pages + i_p, tl.max(b_s, axis=1), mask=m_row)
@@ -1458,9 +1570,18 @@ def _coded_attention_fwd_kernel(
                     b_acc2 = b_acc2 * b_alpha[:, None]
                     b_acc3 = b_acc3 * b_alpha[:, None]
                     o_vt = o_t[:, None]
-                    b_hi = tl.load(p_v + o_vt * stride_hvt, mask=m_t[:, None], other=0)  # [P, DV] uint8
-                    b_vs = tl.load(p_vs + o_vt * stride_hvst, mask=m_t[:, None], other=0.0).to(tl.float32)
-                    b_vz = tl.load(p_vz + o_vt * stride_hvst, mask=m_t[:, None], other=0.0).to(tl.float32)
+                    b_hi = tl.load(
+                        p_v + o_vt * stride_hvt,
+                        mask=_cmask(m_t[:, None], m_vb, PAD), other=0,
+                    )  # [P, DV] uint8
+                    b_vs = tl.load(
+                        p_vs + o_vt * stride_hvst,
+                        mask=_cmask(m_t[:, None], m_vb, PAD), other=0.0,
+                    ).to(tl.float32)
+                    b_vz = tl.load(
+                        p_vz + o_vt * stride_hvst,
+                        mask=_cmask(m_t[:, None], m_vb, PAD), other=0.0,
+                    ).to(tl.float32)
                     if KV_FMT == 4:
                         if USE_VPREC:
                             # cold rows read the hi plane's bucket midpoint; hot rows add (lo - 1.5) * scale
@@ -1473,7 +1594,7 @@ def _coded_attention_fwd_kernel(
                         else:
                             m_hot = m_vis
                             m_lo = m_t
-                        b_lo = tl.load(p_vl + o_vt * stride_hvt, mask=m_lo[:, None], other=0)
+                        b_lo = tl.load(p_vl + o_vt * stride_hvt, mask=_cmask(m_lo[:, None], m_vb, PAD), other=0)
                     else:
                         m_hot = m_vis
                         b_lo = b_hi

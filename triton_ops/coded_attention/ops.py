@@ -146,8 +146,10 @@ def _coded_attention_fwd(
     use_vprec = v_precision_tau is not None and fmt == 4
     count = use_vprec and v_precision_stats is not None
     tune = {**ROW1_TUNING, **(tuning or {})}
-    # one query row per KV head and power-of-two value groups: the elementwise path (kernels._codes_history_row1)
-    n_groups = d // vgroup if fmt else 0
+    dp = next_pow2(d)  # the kernels' tile width: a head dim that is no power of two is read zero-padded
+    # one query row per KV head and power-of-two value groups: the elementwise path (kernels._codes_history_row1;
+    # a head dim that is no power of two, e.g. 96 = 3 groups of 32, reads its groups padded to dp / vgroup = 4)
+    n_groups = dp // vgroup if fmt else 0
     row1 = bool(fmt) and rows == 1 and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
     row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"])
     # v4: codes read as 32-bit words (value groups of 16k channels; every code tensor 4-byte aligned in all dims)
@@ -211,7 +213,6 @@ def _coded_attention_fwd(
     nt = max(1, -(-w_len // tail))
     bound = view.history_end
     key_valid = view.key_valid
-    dp = next_pow2(d)  # the kernels' tile width: a head dim that is no power of two is read zero-padded (dense only)
     o_part = torch.empty(ns + nt, b * hkv, rows, dp, dtype=torch.float32, device=dev)
     lse_part = torch.empty(ns + nt, b * hkv, rows, dtype=torch.float32, device=dev)
     pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
@@ -347,14 +348,14 @@ def _kernel_supports(query: Tensor, view: CellView, v_precision_tau: float | Non
         return f"V precision over {rows} query rows per KV head (validated on the GPU up to 16)"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
-    if d < 16 or (view.is_coded and d & (d - 1)):
-        return f"head_dim {d} (the kernel needs >= 16, and a power of two over coded history)"
+    if d < 16:
+        return f"head_dim {d} (the kernel needs >= 16)"
     if view.is_coded:
         page = view.history_key.group_size
         if page < 16 or page & (page - 1):
             return f"key page size {page} (the kernel needs a power of two >= 16)"
-        if d < 64:
-            return f"head_dim {d} with coded history (the kernel's per-bit-lane dots need D / 4 >= 16)"
+        if next_pow2(d) < 64:
+            return f"head_dim {d} with coded history (the kernel's per-bit-lane dots need next_pow2(D) / 4 >= 16)"
         if view.history_value.group_size % 4:
             return f"value group size {view.history_value.group_size} (the kernel needs a multiple of 4)"
     return None
@@ -372,10 +373,11 @@ def coded_attention(
 
     Same contract as `reference_coded_attention` (see there and README.md): on CUDA tensors with Triton installed it
     runs the split-history kernel (one launch, plus a page-maxima launch when V precision spans several splits, plus
-    the log-sum-exp merge); elsewhere, and for shapes the kernel does not take (a head dim or key page size that is
-    not a power of two >= 16, fp64), the reference. The kernel path reads every view tensor in place through its
-    strides (no `.contiguous()`, no decoded copy) and never reads a value back to the host, so it does not re-check
-    `history_end` against the view (the reference does).
+    the log-sum-exp merge); elsewhere, and for shapes the kernel does not take (a head dim below 16, or below 33
+    over coded history; a key page size that is not a power of two >= 16; fp64), the reference; a head dim that is
+    no power of two (Huginn-0125's 96) is read in zero-padded tiles of the next power of two. The kernel path reads
+    every view tensor in place through its strides (no `.contiguous()`, no decoded copy) and never reads a value
+    back to the host, so it does not re-check `history_end` against the view (the reference does).
 
     With device-side lengths (`view.length` a device tensor: a static cache's decode step), the launch grid is sized
     for every preallocated page and the split programs past the pages the bounds reach exit at once (the merge weighs
