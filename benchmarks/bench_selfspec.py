@@ -662,6 +662,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(
                         {
                             "shape": shape,
+                            "mode": args.mode,
                             "cache": cache_name,
                             "batch": batch,
                             "status": f"skipped (budget: needs about {estimate:.0f} s, {max(0.0, left()):.0f} s left)",
@@ -675,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     row = run_row(model, shape, cache_name, batch, ids, args, alpha)
                 except Exception as err:  # noqa: BLE001 - one device call makes the table: record, go on
-                    row = {"shape": shape, "cache": cache_name, "batch": batch, "status": "error"}
+                    row = {"shape": shape, "mode": args.mode, "cache": cache_name, "batch": batch, "status": "error"}
                     row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 mark_fallbacks(row, before, fallback_counts())
                 row["acceptance_source"] = source

@@ -305,14 +305,14 @@ def test_row1_occupancy_settings_match_reference(case, dtype, setting):
 
 @pytest.mark.parametrize(
     "splits, vprec, tune, want",
-    [(5, False, {}, (2, 1)), (1, False, {}, (1, 2)), (5, False, {"sub_auto_pages": 0}, (1, 2)),
+    [(5, False, {}, (2, 1)), (1, False, {"sub_auto_pages": 8}, (1, 2)), (5, False, {"sub_auto_pages": 0}, (1, 2)),
      (5, True, {}, (1, 2)), (5, False, {"num_warps": 4}, (1, 4))],
     ids=["short-splits", "long-split", "auto-off", "vprec", "warps-set"],
 )  # fmt: skip
 def test_short_splits_take_half_page_steps_at_one_warp(monkeypatch, splits, vprec, tune, want):
-    """v6 `ROW1_TUNING["sub_auto_pages"]` (8): splits of at most 8 pages (here 10 pages in 5 splits) run the word path
-    in half-page steps at one warp; one split of 10 pages, the setting at 0, V precision and warps other than the
-    default's keep v4's loop. The launch's `SUB` and `num_warps` are read from the call; the output is checked."""
+    """v6 `ROW1_TUNING["sub_auto_pages"]` (16): splits of at most that many pages (here 10 pages in 5 splits) run the
+    word path in half-page steps at one warp; one split of 10 pages with the setting at 8, the setting at 0, V
+    precision and warps other than the default's keep v4's loop. The launch's `SUB` and `num_warps` are read from the call; the output is checked."""
     from triton_ops.coded_attention import kernels
 
     real, seen = kernels._coded_attention_fwd_kernel, []

@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 8,
+    "sub_auto_pages": 16,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -56,7 +56,8 @@ v6 (session 13, occupancy; H200 sweep in `benchmarks/notes_coded_attention.md`, 
 4; > 1 needs `pages` 1) of the word path without V precision (`kernels._codes_history_row1s`): a step reads
 `PAGE // sub` tokens, so one warp holds per thread what two warps hold at one page per step; `sub_auto_pages`:
 splits of at most this many pages (0: never) take `sub` 2 at one warp when `pages` is 1, `num_warps` 2 and `sub` 1
-(batch 1 at 8K, 4 pages per split: 22.6 us against v4's 29.6; at batch >= 8, ~30 pages per split, it is 5-9% slower);
+(H200, INT4: 8K x 1 / x 2 / x 4 and 32K x 1, 4-16 pages per split: 22.2 / 33.8 / 74.8 / 51.7 us against v4's 30.7 /
+43.6 / 76.9 / 62.7; at 32K x 2, 31 pages per split, 127.1 against 118.1, and 5-9% slower at batch >= 8);
 `sub_stages`: 0 (the next step's tiles prefetched in registers), or 2..4: that path's steps load their own tiles in a
 `tl.range(num_stages=sub_stages)` loop (asynchronous copies through shared memory; `sub` 1 included); `maxnreg`:
 ptxas's register cap per thread (None: Triton's default), e.g. 168 for 6 two-warp programs per SM instead of 4
@@ -192,9 +193,9 @@ def _coded_attention_fwd(
         pps = -(-pps // step) * step
     ns = -(-n_pages // pps) if ns else 0
     num_warps = tune["num_warps"]
-    # v6: short splits (batch 1 at 8K: 4 pages per program) run in half-page steps at one warp per program, twice the
-    # programs per SM at the same registers (H200, INT4, 8K x 1: 22.6 us against 29.6; 5-9% slower at batch >= 8,
-    # where splits hold ~30 pages: benchmarks/notes_coded_attention.md, v6)
+    # v6: short splits (<= 16 pages: batch 1-4 at 8K, batch 1 at 32K) run in half-page steps at one warp per program,
+    # twice the programs per SM at the same registers (H200, INT4, 8K x 1: 22.2 us against 30.7, 32K x 1: 51.7 against
+    # 62.7; 5-9% slower where splits hold ~30 pages: benchmarks/notes_coded_attention.md, v6)
     auto = tune.get("sub_auto_pages", 0)
     v6 = words and not use_vprec and not d & (d - 1)  # `_codes_history_row1s` reads power-of-two head dims only
     if v6 and sub == 1 and tune["pages"] == 1 and num_warps == 2 and 0 < pps <= auto:
