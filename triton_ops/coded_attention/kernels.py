@@ -432,6 +432,29 @@ def _wfinish(
 
 
 @triton.jit
+def _move_reference(
+    b_mr, b_mx, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
+):
+    """The word loops' lazy softmax reference: moved to the step's maximum `b_mx` only when that exceeds it by more than
+    2**8 (rare after the first steps), every per-thread sum rescaled with it; returns the reference and the sums."""
+    if b_mx > b_mr + 8.0:
+        b_alpha = tl.exp2(b_mr - b_mx)
+        b_lv *= b_alpha
+        a0, a1, a2, a3, a4, a5, a6, a7 = (
+            a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha, a6 * b_alpha,
+            a7 * b_alpha,
+        )  # fmt: skip
+        c0, c1, c2, c3, c4, c5, c6, c7 = (
+            c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha, c6 * b_alpha,
+            c7 * b_alpha,
+        )  # fmt: skip
+        b_az *= b_alpha
+        b_wsum *= b_alpha
+        b_mr = b_mx
+    return b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _codes_history_row1w(
     b_q, b_run, q_ptr, qk_scale, o_ptr, lse_ptr, pmax_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr,
     hvl_ptr, hvs_ptr, hvz_ptr, stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh, o_part, i_prog, nh,
@@ -543,20 +566,9 @@ def _codes_history_row1w(
                 tl.store(sc_ptr + o_t2, b_s, mask=m_pg[:, None])
         else:
             b_mx = tl.max(b_pm, axis=0)
-            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
-                b_alpha = tl.exp2(b_mr - b_mx)
-                b_lv *= b_alpha
-                a0, a1, a2, a3, a4, a5, a6, a7 = (
-                    a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
-                    a6 * b_alpha, a7 * b_alpha,
-                )  # fmt: skip
-                c0, c1, c2, c3, c4, c5, c6, c7 = (
-                    c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
-                    c6 * b_alpha, c7 * b_alpha,
-                )  # fmt: skip
-                b_az *= b_alpha
-                b_wsum *= b_alpha
-                b_mr = b_mx
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _move_reference(
+                b_mr, b_mx, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+            )
             b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
             b_lv += b_p
             o_t1 = i_p0 * PAGE + o_tt  # [T]
@@ -650,20 +662,9 @@ def _row1s_step(
         m_vis = m_vis & b_valid
     b_s = tl.where(m_vis, b_s, float("-inf"))
     b_mx = tl.max(tl.max(b_s, axis=1), axis=0)
-    if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
-        b_alpha = tl.exp2(b_mr - b_mx)
-        b_lv *= b_alpha
-        a0, a1, a2, a3, a4, a5, a6, a7 = (
-            a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha, a6 * b_alpha,
-            a7 * b_alpha,
-        )  # fmt: skip
-        c0, c1, c2, c3, c4, c5, c6, c7 = (
-            c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha, c6 * b_alpha,
-            c7 * b_alpha,
-        )  # fmt: skip
-        b_az *= b_alpha
-        b_wsum *= b_alpha
-        b_mr = b_mx
+    b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _move_reference(
+        b_mr, b_mx, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+    )
     b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [1, TS], 0 where not read
     b_lv += b_p
     b_p1 = tl.reshape(b_p, [TS])
@@ -848,20 +849,9 @@ def _vp_values(
     o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
     n_vh = tl.load(hv_ptr + o_v3, mask=_cmask(m_t1[:, None, None], m_gd, DH < D), other=0)
     n_vl = tl.load(hvl_ptr + o_v3, mask=_cmask((m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], m_gd, DH < D), other=0)
-    if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
-        b_alpha = tl.exp2(b_mr - b_mx)
-        b_lv *= b_alpha
-        a0, a1, a2, a3, a4, a5, a6, a7 = (
-            a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha, a6 * b_alpha,
-            a7 * b_alpha,
-        )  # fmt: skip
-        c0, c1, c2, c3, c4, c5, c6, c7 = (
-            c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha, c6 * b_alpha,
-            c7 * b_alpha,
-        )  # fmt: skip
-        b_az *= b_alpha
-        b_wsum *= b_alpha
-        b_mr = b_mx
+    b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _move_reference(
+        b_mr, b_mx, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+    )
     b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
     b_lv += b_p
     b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
@@ -1133,20 +1123,9 @@ def _codes_history_row1p(
                 mask=_cmask((m_t1 & tl.reshape(m_hot1, [T]))[:, None, None], m_gv, PAD), other=0,
             )
             # (5) step k's values
-            if b_mx > b_mr + 8.0:  # move the reference (rare after the first steps)
-                b_alpha = tl.exp2(b_mr - b_mx)
-                b_lv *= b_alpha
-                a0, a1, a2, a3, a4, a5, a6, a7 = (
-                    a0 * b_alpha, a1 * b_alpha, a2 * b_alpha, a3 * b_alpha, a4 * b_alpha, a5 * b_alpha,
-                    a6 * b_alpha, a7 * b_alpha,
-                )  # fmt: skip
-                c0, c1, c2, c3, c4, c5, c6, c7 = (
-                    c0 * b_alpha, c1 * b_alpha, c2 * b_alpha, c3 * b_alpha, c4 * b_alpha, c5 * b_alpha,
-                    c6 * b_alpha, c7 * b_alpha,
-                )  # fmt: skip
-                b_az *= b_alpha
-                b_wsum *= b_alpha
-                b_mr = b_mx
+            b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _move_reference(
+                b_mr, b_mx, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+            )
             b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr))  # [NP, PAGE], 0 where not read
             b_lv += b_p
             b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
