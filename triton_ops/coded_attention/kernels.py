@@ -432,6 +432,23 @@ def _wfinish(
 
 
 @triton.jit
+def _key_tiles(
+    hk_ptr, hks_ptr, hkz_ptr, o_t3, o_pg, o_w, o_d, limit, p_end, stride_hkt, stride_hksp, m_wd, m_cd,
+    PAD: tl.constexpr,
+):
+    """A step's key inputs on the word paths: the code words `[NP, PAGE, words]` of the tokens before `limit`, and the
+    pages' scale and zero tiles `[NP, D]` (0 past the split's last page; past the head dim when the tile is padded)."""
+    kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
+    ks = tl.load(
+        hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0
+    )
+    kz = tl.load(
+        hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :], mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0
+    )
+    return kw, ks, kz
+
+
+@triton.jit
 def _move_reference(
     b_mr, b_mx, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7,
 ):
@@ -506,14 +523,8 @@ def _codes_history_row1w(
     # the first step's tiles (the loop loads the next step's at its top)
     o_pg = p_begin + o_np
     o_t3 = (o_pg[:, None] * PAGE + o_pt[None, :])[:, :, None]
-    n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
-    n_ks = tl.load(
-        hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
-        mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
-    )
-    n_kz = tl.load(
-        hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
-        mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+    n_kw, n_ks, n_kz = _key_tiles(
+        hk_ptr, hks_ptr, hkz_ptr, o_t3, o_pg, o_w, o_d, limit, p_end, stride_hkt, stride_hksp, m_wd, m_cd, PAD
     )
     if not PAGE_MAX_ONLY:
         o_t1 = p_begin * PAGE + o_tt
@@ -939,14 +950,8 @@ def _codes_history_row1p(
         m_vis = b_s > float("-inf")
     else:
         o_t3 = o_t2[:, :, None]
-        b_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
-        b_ks = tl.load(
-            hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
-            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
-        )
-        b_kz = tl.load(
-            hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
-            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+        b_kw, b_ks, b_kz = _key_tiles(
+            hk_ptr, hks_ptr, hkz_ptr, o_t3, o_pg, o_w, o_d, limit, p_end, stride_hkt, stride_hksp, m_wd, m_cd, PAD
         )
         m_vis = o_t2 < limit
         if USE_VALID:
@@ -973,14 +978,8 @@ def _codes_history_row1p(
         n_s = tl.load(sc_ptr + o_t2, mask=o_t2 < limit, other=float("-inf"))
     else:
         o_t3 = o_t2[:, :, None]
-        n_kw = tl.load(hk_ptr + o_t3 * stride_hkt + o_w[None, None, :], mask=_cmask(o_t3 < limit, m_wd, PAD), other=0)
-        n_ks = tl.load(
-            hks_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
-            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
-        )
-        n_kz = tl.load(
-            hkz_ptr + o_pg[:, None] * stride_hksp + o_d[None, :],
-            mask=_cmask((o_pg < p_end)[:, None], m_cd, PAD), other=0.0,
+        n_kw, n_ks, n_kz = _key_tiles(
+            hk_ptr, hks_ptr, hkz_ptr, o_t3, o_pg, o_w, o_d, limit, p_end, stride_hkt, stride_hksp, m_wd, m_cd, PAD
         )
         if USE_VALID:
             n_vd = tl.load(p_valid + (hist_start + o_t2) * stride_validt, mask=o_t2 < limit, other=0)
