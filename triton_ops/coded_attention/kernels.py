@@ -432,6 +432,26 @@ def _wfinish(
 
 
 @triton.jit
+def _value_words(b_vh, b_vl, KV_FMT: tl.constexpr):
+    """The value words whose lanes `_vsums` reads: INT4's two 2-bit planes merged into 4-bit codes `4 hi + lo` (even
+    fields: hi's bits moved up by 2; odd fields: lo's moved down), INT2's plane twice."""
+    if KV_FMT == 4:
+        return ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333), (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+    else:
+        return b_vh, b_vh
+
+
+@triton.jit
+def _vsums(a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, w_a, w_c, one, b_w3,
+           KV_FMT: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """A step's value sums of the 16 lanes (`_value_words`' words `w_a`, `w_c`): INT4 even / odd 4-bit fields, INT2
+    the 2-bit fields at bits 0, 4, ... and 2, 6, ..."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, w_a, one, b_w3, 0, 4, KV_FMT, FAST)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, w_c, one, b_w3, 4 - KV_FMT, 4, KV_FMT, FAST)
+    return a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _key_tiles(
     hk_ptr, hks_ptr, hkz_ptr, o_t3, o_pg, o_w, o_d, limit, p_end, stride_hkt, stride_hksp, m_wd, m_cd,
     PAD: tl.constexpr,
@@ -604,17 +624,12 @@ def _codes_history_row1w(
             if FAST:
                 b_wsum += b_w
             b_w3 = b_w[:, :, None]
-            if KV_FMT == 4:
-                if USE_VPREC:
-                    b_az += 1.5 * b_pc[:, None] * b_vsf  # cold tokens read the hi bucket's midpoint
-                # 4-bit codes 4 hi + lo: even fields (hi's bits moved up by 2) and odd fields (lo's moved down)
-                b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
-                b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
-            else:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
-                c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
+            if KV_FMT == 4 and USE_VPREC:
+                b_az += 1.5 * b_pc[:, None] * b_vsf  # cold tokens read the hi bucket's midpoint
+            b_wa, b_wc = _value_words(b_vh, b_vl, KV_FMT)
+            a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _vsums(
+                a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, b_wa, b_wc, one, b_w3, KV_FMT, FAST
+            )
     if not PAGE_MAX_ONLY:
         _wfinish(
             o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5,
@@ -684,14 +699,10 @@ def _row1s_step(
     if FAST:
         b_wsum += b_w
     b_w3 = b_w[:, :, None]
-    if KV_FMT == 4:
-        b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
-        b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_vh, one, b_w3, 0, 4, 2, FAST)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_vh, one, b_w3, 2, 4, 2, FAST)
+    b_wa, b_wc = _value_words(b_vh, b_vl, KV_FMT)
+    a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _vsums(
+        a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, b_wa, b_wc, one, b_w3, KV_FMT, FAST
+    )
     return b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7
 
 
@@ -853,8 +864,7 @@ def _vp_values(
     o_u = tl.arange(0, VW)
     o_gu = (o_g[:, None] * VW + o_u[None, :])[None, :, :]
     m_gd = (o_g < DH // VGROUP)[None, :, None]  # value groups inside the head dim (padding: DH < D)
-    b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
-    b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+    b_me, b_mo = _value_words(b_vh, b_vl, 4)
     o_t1 = (i0 + NP) * PAGE + tl.arange(0, T)
     m_t1 = o_t1 < limit
     o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
@@ -873,8 +883,9 @@ def _vp_values(
     if FAST:
         b_wsum += b_w
     b_w3 = b_w[:, :, None]
-    a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+    a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _vsums(
+        a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, b_me, b_mo, one, b_w3, 4, FAST
+    )
     return (
         b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, n_vh, n_vl,
     )  # fmt: skip
@@ -1113,8 +1124,7 @@ def _codes_history_row1p(
             # (4) step k's 4-bit codes 4 hi + lo (even fields: hi's bits moved up by 2; odd fields: lo's moved down),
             # merged before step k + 1's plane words are loaded (into the same registers, for the same reason):
             # `lo` masked by step k + 1's hot set (0 where cold), in flight until the next iteration's merge
-            b_me = ((b_vh << 2) & ~0x33333333) | (b_vl & 0x33333333)
-            b_mo = (b_vh & ~0x33333333) | ((b_vl >> 2) & 0x33333333)
+            b_me, b_mo = _value_words(b_vh, b_vl, 4)
             o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
             n_vh = tl.load(hv_ptr + o_v3, mask=_cmask(m_t1[:, None, None], m_gv, PAD), other=0)
             n_vl = tl.load(
@@ -1135,8 +1145,9 @@ def _codes_history_row1p(
             if FAST:
                 b_wsum += b_w
             b_w3 = b_w[:, :, None]
-            a0, a1, a2, a3, a4, a5, a6, a7 = _vacc8(a0, a1, a2, a3, a4, a5, a6, a7, b_me, one, b_w3, 0, 4, 4, FAST)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _vacc8(c0, c1, c2, c3, c4, c5, c6, c7, b_mo, one, b_w3, 0, 4, 4, FAST)
+            a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7 = _vsums(
+                a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5, c6, c7, b_me, b_mo, one, b_w3, 4, FAST
+            )
             # step k + 1 becomes the current step
             b_s, m_hot, b_mx = b_s1, m_hot1, b_mx1
             b_vh, b_vl, b_vs, b_vz = n_vh, n_vl, n_vs, n_vz
