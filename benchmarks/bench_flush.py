@@ -20,8 +20,8 @@ static cache of `--context` positions; sink 32, window 256, pages of 32; the pro
   kernels of one eager call (after one more, so that the slots are in the state the timings see) and the sum of
   their own GPU time (`torch.profiler`): the flush's work without launch gaps.
 - `step_ms`: the captured decode step of the same cache, batch and context through `generate`
-  (`bench_generate.run_one(mode="graph")`: (full - prefill-only) / steps; one run per cache and batch, with the
-  library's flush). `flush_fraction = graph_ms / step_ms`.
+  (`bench_generate.run_one(mode="graph", timing="steps")`: one run, timed from the first generated token to the
+  last by a synchronising logits processor; one run per cache and batch, with the library's flush). `flush_fraction = graph_ms / step_ms`.
 - Paths (`--paths`): `table`, the library's flush (in a complete forward one launch per code format over a device
   table of the cells' storage, `FlushGroup`; each page coded once: the graph replays after the first find the page
   coded, so this is the cost of the `P - 1` forwards in `P` in which no page becomes due); `table-every`, the same
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
                                     tuple(args.paths))  # fmt: skip
             if not args.no_step:  # the captured step with the library's flush, once per cache and batch
                 step = run_one(model, args.shape, cache_name, batch, args.context, args.new_tokens, device,
-                               mode="graph" if device.startswith("cuda") else "static")  # fmt: skip
+                               mode="graph" if device.startswith("cuda") else "static", timing="steps")  # fmt: skip
                 for row in batch_rows:
                     row.update(step_mode=step["mode"], step_ms=step.get("ms_per_decode_step"),
                                step_status=step["status"])  # fmt: skip
