@@ -511,15 +511,21 @@ def row_groups(prefill_rows: Any, cache: Any, batch: int, query_length: int) -> 
     return [(a, min(a + rows, batch)) for a in range(0, batch, rows)]
 
 
-def _join_rows(parts: list[Any]) -> Any:
-    """One batch's output field from the groups' (tensors and tuples of tensors joined along the batch)."""
-    if all(p is None for p in parts):
-        return None
-    if isinstance(parts[0], torch.Tensor):
-        return torch.cat(parts, dim=0)
-    if isinstance(parts[0], tuple):
-        return tuple(_join_rows(list(items)) for items in zip(*parts))
-    raise TypeError(f"a grouped prefill cannot join output fields of type {type(parts[0]).__name__}")
+def _put_rows(whole: Any, part: Any, start: int, end: int, batch: int) -> Any:
+    """An output field of the batch (`whole`, None before the first group) with a group's (`part`) in rows `[start,
+    end)`: tensors are allocated for the batch at the first group and written in place (a join at the end would
+    hold every row's output twice)."""
+    if part is None:
+        return whole
+    if isinstance(part, torch.Tensor):
+        if whole is None:
+            whole = part.new_empty((batch, *part.shape[1:]))
+        whole[start:end] = part
+        return whole
+    if isinstance(part, tuple):
+        whole = (None,) * len(part) if whole is None else whole
+        return tuple(_put_rows(w, p, start, end, batch) for w, p in zip(whole, part))
+    raise TypeError(f"a grouped prefill cannot join output fields of type {type(part).__name__}")
 
 
 def run_row_groups(cache: Any, groups: list[tuple[int, int]], batch: int, run: Any) -> Any:
@@ -530,20 +536,22 @@ def run_row_groups(cache: Any, groups: list[tuple[int, int]], batch: int, run: A
 
     Each group runs the whole model (every layer, every loop) for its rows, so a prefill's activations, the part of
     its memory that grows with the batch (the layer's input and output, a cell's keys and values for the prompt,
-    Huginn's injected embeddings), are one group's. Rows are independent, so each row is computed as in the batch."""
-    fields: list[dict[str, Any]] = []
+    Huginn's injected embeddings), are one group's. Rows are independent, so each row is computed as in the batch.
+    What the forward returns for every row is still held for every row (the logits where they are taken; Huginn's
+    `latent_states`, one hidden state per prompt token, unless `output_details={"return_latents": False}`)."""
+    joined: dict[str, Any] = {}
     kind = None
     for start, end in groups:
         part = None if cache is None else cache.row_group(start, end, batch)
         out = run(start, end, part)
         kind = type(out)
-        # only the output's fields: the group's cache is dropped here (its rows are in `cache` after the merge)
-        fields.append({f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != OUTPUT_CACHE_FIELD})
+        for f in dataclasses.fields(out):  # the group's cache is not kept: its rows are in `cache` after the merge
+            if f.name != OUTPUT_CACHE_FIELD:
+                joined[f.name] = _put_rows(joined.get(f.name), getattr(out, f.name), start, end, batch)
         del out
         if cache is not None:
             cache.merge_row_group(part, start, end, batch)
         del part
-    joined = {name: _join_rows([f[name] for f in fields]) for name in fields[0]}
     return cast("Any", kind)(**joined, **{OUTPUT_CACHE_FIELD: cache})
 
 
