@@ -162,3 +162,32 @@ def test_grouped_prefill_without_cache_and_after_cached_positions(arch):
         for cache, rows in zip(caches, (None, 2))
     ]
     assert torch.equal(more[1], more[0])
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+@torch.no_grad()
+def test_grouped_prefill_workspace_does_not_grow_with_the_batch(arch, monkeypatch):
+    """Live tensor bytes beyond the cache (`benchmarks.memtrack.LiveBytes`) of a prefill in groups of one row, at 2 and
+    4 rows: per row, at most what the forward returns for every prompt position (Huginn: its latent states, one
+    hidden state per token); the whole batch at once holds about 4 (Ouro) / 5 (Huginn) hidden states per row more."""
+    import hf_loopcache.models._common as common
+    from benchmarks.memtrack import LiveBytes
+
+    monkeypatch.setattr(common, "TOKEN_CHUNK", 256)
+    model = make_model(arch)
+    length, hidden = 512, 128
+    state = length * hidden * 4
+    held: dict = {}
+    for rows in (None, 1):
+        for batch in (2, 4):
+            ids = torch.randint(3, model.config.vocab_size, (batch, length))
+            cache = CACHES["ripe64"](model)
+            cache.reserve(length + 1)
+            with LiveBytes() as mem:
+                model(ids, cache=cache, use_cache=True, logits_to_keep=1, prefill_rows=rows, **call_kwargs(arch))
+            held[rows, batch] = (mem.peak - cache.nbytes()) / state
+    grouped = (held[1, 4] - held[1, 2]) / 2
+    whole = (held[None, 4] - held[None, 2]) / 2
+    returned = 0 if arch == "ouro" else 1
+    assert grouped <= returned + 0.05, f"a grouped prefill holds {grouped:.2f} hidden states per row"
+    assert whole >= grouped + 2.5, f"the whole batch holds {whole:.2f} hidden states per row, grouped {grouped:.2f}"
