@@ -14,10 +14,9 @@ For each shape x context x cache (the caches of `bench_generate.CACHES`):
    prompt keys and values, Huginn's injected embeddings, the RoPE tables; queries, attention, projections and the MLP
    run in pieces of a fixed number of tokens, whose workspace does not grow with the batch); with `--prefill-rows N`
    (the models' `prefill_rows`: the prefill runs the batch's rows in groups of at most N, each group's cells written
-   into its rows of the one cache) that per-row workspace is held for one group only, and per row there remains what
-   the forward returns for every prompt position (`prefill_returned_row_bytes`: Huginn's `latent_states`, one hidden
-   state per token; Ouro nothing beyond the logits it keeps), so the modelled bracket is
-   `floor((budget - weights - (workspace - row) - N x (row - returned)) / (stored bytes per row + returned))`;
+   into its rows of the one cache) that per-row workspace is held for one group only (a generate's prefill returns
+   nothing per prompt position: logits at the last one, no latent states), so the modelled bracket is
+   `floor((budget - weights - (workspace - row) - N x row) / stored bytes per row)`;
 3. the **search**: probes at batch b (each a fresh cache; out-of-memory caught as `torch.OutOfMemoryError`; cache,
    outputs and the allocator's cache freed between probes), from the modelled bracket (the nearest: a probe that runs
    out of memory can cost most of a prefill), then up or down by steps that
@@ -95,15 +94,6 @@ def prefill_row_bytes(model: Any, context: int) -> int:
     kv = layout.num_kv_heads * layout.head_dim
     rope = 2 * layout.head_dim * elem if layout.name == "ouro" else layout.head_dim * 4
     return ((PREFILL_ROW_STATES[layout.name] * model.config.hidden_size + 2 * kv) * elem + rope) * context
-
-
-def prefill_returned_row_bytes(model: Any, context: int) -> int:
-    """Bytes per row that a prefill in row groups (`prefill_rows`) still holds for every row: what the forward returns
-    for every prompt position, Huginn's `latent_states` (one hidden state per token in the model's dtype; 82.5 MiB per
-    8K row on Huginn-0125's shape); nothing on Ouro (its logits and loop states only where logits are taken)."""
-    if model.loop_layout.name == "ouro":
-        return 0
-    return model.config.hidden_size * next(model.parameters()).element_size() * context
 
 
 def _sync(device: str) -> None:
@@ -408,11 +398,9 @@ def run_cache(
     per_row = prefill_row_bytes(model, context)
     row["prefill_row_gib_model"] = round(per_row / GIB, 3)
     fixed = max(0.0, workspace - per_row)
-    if prefill_rows is not None:  # the per-row prefill workspace for one group; per row only what is returned
-        returned = prefill_returned_row_bytes(model, context)
-        row["prefill_returned_row_gib_model"] = round(returned / GIB, 3)
-        fixed += prefill_rows * (per_row - returned)
-        per_row = returned
+    if prefill_rows is not None:  # the per-row prefill workspace is held for one group, not per row of the batch
+        fixed += prefill_rows * per_row
+        per_row = 0
     row["predicted_batch_row_workspace"] = max(
         0, math.floor((budget_bytes - weights_bytes - fixed) / (stored_row + per_row))
     )

@@ -538,7 +538,8 @@ def run_row_groups(cache: Any, groups: list[tuple[int, int]], batch: int, run: A
     its memory that grows with the batch (the layer's input and output, a cell's keys and values for the prompt,
     Huginn's injected embeddings), are one group's. Rows are independent, so each row is computed as in the batch.
     What the forward returns for every row is still held for every row (the logits where they are taken; Huginn's
-    `latent_states`, one hidden state per prompt token, unless `output_details={"return_latents": False}`)."""
+    `latent_states`, one hidden state per prompt token, unless `output_details={"return_latents": False}`, which
+    `generate`'s prefill passes)."""
     joined: dict[str, Any] = {}
     kind = None
     for start, end in groups:

@@ -32,7 +32,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument, generate_cache
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import (
     STACK_TOKENS,
@@ -479,6 +479,17 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             **{OUTPUT_CACHE_FIELD: cache},
         )
         return flags.finish(output)
+
+    def prepare_inputs_for_generation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """transformers' inputs of a generate step; the prefill (a step into an empty cache) does not compute
+        `latent_states` unless the call asks for `output_details`: `generate` returns no latent states, and they are
+        one hidden state per prompt token held for every row to the prefill's end (82.5 MiB per 8K row on
+        Huginn-0125). Decode steps keep their inputs as they are (a captured step's key reads only scalar inputs)."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        cache = generate_cache(inputs)
+        if inputs.get("output_details") is None and (cache is None or cache.get_seq_length() == 0):
+            inputs["output_details"] = {"return_latents": False}
+        return inputs
 
     def _row_grouped(self, prefill_rows: int, cache: Any, **inputs: Any) -> HuginnCausalLMOutput | tuple | None:
         """`forward` over groups of rows (`prefill_rows`), or None when the call runs in one forward. What the whole
