@@ -210,3 +210,46 @@ def test_huginn_generate_prefill_computes_no_latent_states():
     assert calls[0] == (12, {"return_latents": False})
     assert all(details is None for _, details in calls[1:]) and len(calls) == 3
     assert model(ids, init_scale=0.0).latent_states.shape == (2, 12, 128)
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+@torch.no_grad()
+def test_grouped_prefill_under_self_speculation_and_beam_search(arch):
+    """Self-speculative decoding (which sets the cache's rollback reserve after `generate` reserved it: the groups'
+    cells are sized as the whole cache's were) and beam search (rows expanded before the prefill) give the tokens of
+    a whole-batch prefill."""
+    import hf_loopcache
+    from hf_loopcache import RIPECache
+
+    model = make_model(arch)
+    kwargs = call_kwargs(arch)
+    ids, mask = _inputs(model)
+    ids, mask = ids[:, -40:], mask[:, -40:]
+    spec = [
+        model.generate(ids, attention_mask=mask, cache=RIPECache(model, window=8), max_new_tokens=6, do_sample=False,
+                       pad_token_id=0, custom_generate=hf_loopcache.self_speculative, draft_loops=1, block_size=3,
+                       prefill_rows=rows, **kwargs)  # fmt: skip
+        for rows in (None, 2)
+    ]
+    assert torch.equal(spec[1], spec[0])
+    beams = [
+        model.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       prefill_rows=rows, **kwargs)  # fmt: skip
+        for rows in (None, 3)
+    ]
+    assert torch.equal(beams[1], beams[0])
+
+
+@torch.no_grad()
+def test_row_groups_name_what_does_not_fit():
+    """The cache side's errors: a static cache with fewer rows than the batch, a first group into a cache that holds
+    positions."""
+    model = make_model("ouro")
+    ids = torch.randint(3, 60, (5, 8))
+    static = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=32)
+    with pytest.raises(ValueError, match="max_batch_size=3"):
+        model(ids, cache=static, use_cache=True, prefill_rows=2)
+    cache = FullLoopCache(model)
+    model(ids, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="fills an empty cache, but this one holds 8 positions"):
+        cache.row_group(0, 2, 5)

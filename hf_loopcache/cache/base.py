@@ -136,7 +136,6 @@ class LoopCache(Cache):
         self.max_rollback = max_rollback
         self.v_precision = v_precision
         self._v_precision_stats: VPrecisionStats | None = None  # set by `track_v_precision()`
-        self._reserved: int | None = None  # the length `reserve` last sized empty cells for (a grouped prefill's groups)
         self._draft_loops: int | None = None  # loops of the current forward when fewer than the cache holds
         # the current forward's read state, one per device its cells sit on (a model split by `device_map`), keyed by
         # the device's name (string keys: the cache stays a pytree, see `pytree.py`)
@@ -583,7 +582,6 @@ class LoopCache(Cache):
             )
         for layer in self.cells:
             layer.reserve(int(max_length))
-        self._reserved = int(max_length)
 
     def row_group(self, start: int, end: int, batch: int) -> LoopCache:
         """The cache that rows `[start, end)` of a prefill of `batch` rows in groups write (the model's

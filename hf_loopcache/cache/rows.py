@@ -25,6 +25,7 @@ import torch
 
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, WindowedLayer
 from hf_loopcache.cache.layers.static import StaticDenseLayer
+from hf_loopcache.cache.storage import PageStore, SeqBuffer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -124,10 +125,21 @@ def group_cache(cache: LoopCache, start: int, end: int) -> LoopCache:
         max_cache_len=cache.max_cache_len if cache.static else None,
     )
     group._v_precision_stats = cache._v_precision_stats
-    if cache._reserved is not None:
-        group.reserve(cache._reserved)
+    _copy_reserves(group, cache)
     _seed_views(group, cache, start, end)
     return group
+
+
+def _copy_reserves(group: LoopCache, cache: LoopCache) -> None:
+    """Each storage of the group's cells sized as the whole cache's was at its first write: the capacity `reserve`
+    gave it (`LoopCache.reserve`, with the rollback reserve of that time; `set_max_rollback` may have changed it
+    since), which a prefill's allocations, and with them the cells' state, depend on."""
+    for mine, whole in zip(group.cells, cache.cells):
+        for name, store in vars(whole).items():
+            if isinstance(store, SeqBuffer):
+                getattr(mine, name).reserve = store.reserve
+            elif isinstance(store, PageStore):
+                getattr(mine, name).reserve_pages = store.reserve_pages
 
 
 def _aliases(view: torch.Tensor, whole: torch.Tensor) -> bool:
