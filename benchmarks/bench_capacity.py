@@ -12,7 +12,11 @@ For each shape x context x cache (the caches of `bench_generate.CACHES`):
    `floor((budget - weights - (workspace - row)) / (stored bytes per row + row))`, where `row` is what an exact
    one-pass prefill holds per row beyond the cache (`prefill_row_bytes`: the layer's input and output, one cell's
    prompt keys and values, Huginn's injected embeddings, the RoPE tables; queries, attention, projections and the MLP
-   run in pieces of a fixed number of tokens, whose workspace does not grow with the batch);
+   run in pieces of a fixed number of tokens, whose workspace does not grow with the batch); with `--prefill-rows N`
+   (the models' `prefill_rows`: the prefill runs the batch's rows in groups of at most N, each group's cells written
+   into its rows of the one cache) that per-row workspace is held for one group only (a generate's prefill returns
+   nothing per prompt position: logits at the last one, no latent states), so the modelled bracket is
+   `floor((budget - weights - (workspace - row) - N x row) / stored bytes per row)`;
 3. the **search**: probes at batch b (each a fresh cache; out-of-memory caught as `torch.OutOfMemoryError`; cache,
    outputs and the allocator's cache freed between probes), from the modelled bracket (the nearest: a probe that runs
    out of memory can cost most of a prefill), then up or down by steps that
@@ -113,11 +117,13 @@ def probe(
     device: str,
     *,
     limit_bytes: int | None = None,
+    prefill_rows: int | None = None,
 ) -> dict:
     """One generate at `batch` rows: `context - new_tokens` prompt tokens, then `new_tokens` greedy tokens, a fresh
     cache. Returns `{"batch", "status": "ok" | "oom", "peak_gib", "stored_gib", "seconds", "decode_tokens_per_s"}`;
     the peak is above what was allocated before the probe (the weights). Off CUDA, a peak above `limit_bytes` counts
-    as out of memory (the budget emulated; on CUDA the allocator enforces it)."""
+    as out of memory (the budget emulated; on CUDA the allocator enforces it). `prefill_rows`: the prefill runs the
+    batch's rows in groups of at most this many (the models' `prefill_rows`; None: the whole batch at once)."""
     prompt = context - new_tokens
     extra = {"init_scale": 0.0} if shape.startswith("huginn") else {}
     record: dict[str, Any] = {"batch": batch}
@@ -141,6 +147,7 @@ def probe(
             do_sample=False,
             pad_token_id=0,
             logits_processor=LogitsProcessorList([clock]),
+            prefill_rows=prefill_rows,
             **extra,
         )
         _sync(device)
@@ -336,13 +343,16 @@ def run_cache(
     progress: Callable[[dict], None] = lambda row: None,
     throughput: str = "eager",
     throughput_tokens: int = 16,
+    prefill_rows: int | None = None,
 ) -> dict:
     """One row: the batch-1 probe, the prediction, the search, the largest batch and its decode tok/s.
     `out_of_time(seconds)` says whether work expected to take `seconds` would end past the deadline (a probe's time
     is estimated from the slowest seconds per row seen so far); `search_out_of_time` the same for the search's probes
     (the row's share of the time: default `out_of_time`); `progress(row)` gets the row after every probe.
     `throughput="graph"`: after the search, decode tok/s at the largest batch with the cache static and the step
-    captured (`graph_throughput`, `throughput_tokens` tokens), beside the eager probes' tok/s."""
+    captured (`graph_throughput`, `throughput_tokens` tokens), beside the eager probes' tok/s. `prefill_rows`: every
+    probe's prefill runs the batch's rows in groups of at most this many (recorded in the row; the modelled bracket
+    counts the per-row prefill workspace for one group)."""
     row: dict[str, Any] = {
         "shape": shape,
         "cache": cache_name,
@@ -353,6 +363,7 @@ def run_cache(
         "layout": model.loop_layout.describe(),
         "budget_gib": round(budget_bytes / GIB, 3),
         "weights_gib": round(weights_bytes / GIB, 3),
+        "prefill_rows": prefill_rows,
     }
     plan = CACHES[cache_name](model).plan
     row["stored_bytes_per_token_model"] = round(
@@ -365,10 +376,10 @@ def run_cache(
     limit = budget_bytes - weights_bytes
     # a first batch-1 probe pays Triton's compiles (seconds): untimed, so the deadline's seconds-per-row estimate
     # comes from a warm probe (the first estimate stopped two rows of the H200 run before their first search probe)
-    warm = probe(model, shape, cache_name, 1, context, new_tokens, device, limit_bytes=limit)
+    warm = probe(model, shape, cache_name, 1, context, new_tokens, device, limit_bytes=limit, prefill_rows=prefill_rows)
     row["warmup_s"] = warm["seconds"]
     one = warm if warm["status"] != "ok" else probe(model, shape, cache_name, 1, context, new_tokens, device,
-                                                   limit_bytes=limit)
+                                                   limit_bytes=limit, prefill_rows=prefill_rows)
     row["probe_batch_1"] = one
     if one["status"] != "ok":
         row.update(status="batch 1 does not fit", largest_batch=0, probes=[one])
@@ -386,8 +397,12 @@ def run_cache(
     # batch 1's workspace once
     per_row = prefill_row_bytes(model, context)
     row["prefill_row_gib_model"] = round(per_row / GIB, 3)
+    fixed = max(0.0, workspace - per_row)
+    if prefill_rows is not None:  # the per-row prefill workspace is held for one group, not per row of the batch
+        fixed += prefill_rows * per_row
+        per_row = 0
     row["predicted_batch_row_workspace"] = max(
-        0, math.floor((budget_bytes - weights_bytes - max(0.0, workspace - per_row)) / (stored_row + per_row))
+        0, math.floor((budget_bytes - weights_bytes - fixed) / (stored_row + per_row))
     )
     row["probes"] = [one]
     # a probe's time: its decode steps (about constant in the batch: they wait on the host) plus a prefill that grows
@@ -398,7 +413,8 @@ def run_cache(
         return 1.25 * (rate[0] * b + rate[1])
 
     def try_batch(b: int) -> dict:
-        record = probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit)
+        record = probe(model, shape, cache_name, b, context, new_tokens, device, limit_bytes=limit,
+                       prefill_rows=prefill_rows)
         decode = record.get("decode_s", 0.0)
         rate[0], rate[1] = max(rate[0], (record["seconds"] - decode) / b), max(rate[1], decode)
         row["probes"].append(record)
@@ -462,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--throughput-caches", nargs="*", default=None,
                         help="caches whose largest batch gets the graph throughput run (default: all of --caches)")
     parser.add_argument("--throughput-tokens", type=int, default=16, help="tokens of the graph throughput run")
+    parser.add_argument("--prefill-rows", type=int, default=None,
+                        help="run each probe's prefill over groups of at most this many rows (the models' "
+                        "`prefill_rows`; default: the whole batch at once)")
     parser.add_argument("--share-time", action="store_true",
                         help="with --deadline-s: each row's search gets an equal share of the time left")
     return parser
@@ -474,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--new-tokens must be >= 2 (one decode step to time), got {args.new_tokens}")
     if args.max_probes < 1:
         raise SystemExit(f"--max-probes must be >= 1, got {args.max_probes}")
+    if args.prefill_rows is not None and args.prefill_rows < 1:
+        raise SystemExit(f"--prefill-rows must be a positive int (rows per prefill group), got {args.prefill_rows}")
     if any(c <= args.new_tokens for c in args.contexts):
         raise SystemExit(f"--contexts must each exceed --new-tokens ({args.new_tokens}), got {args.contexts}")
     device = args.device
@@ -528,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
                     max_probes=args.max_probes, out_of_time=out_of_time, search_out_of_time=share,
                     progress=lambda partial: write_rows(args.out, [*rows, {**partial, "status": "in progress"}]),
                     throughput="graph" if graph else "eager", throughput_tokens=args.throughput_tokens,
+                    prefill_rows=args.prefill_rows,
                 )
                 row["elapsed_s"] = round(time.perf_counter() - t0, 1)
                 brief = {k: v for k, v in row.items() if k not in ("probes", "probe_batch_1", "layout")}

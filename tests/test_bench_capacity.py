@@ -119,3 +119,21 @@ def test_command_line_writes_rows_and_names_bad_arguments(tmp_path, monkeypatch,
         bench_capacity.main(["--device", "cpu"])
     with pytest.raises(SystemExit, match="--contexts must each exceed --new-tokens"):
         bench_capacity.main(["--device", "cpu", "--budget-gib", "1", "--contexts", "4"])
+
+
+def test_prefill_rows_reaches_every_probe_and_the_model(monkeypatch):
+    """`prefill_rows` goes to every probe's `generate` and into the row; the modelled bracket then counts the per-row
+    prefill workspace for one group (a generate's prefill holds nothing else per row)."""
+    model = build("micro-ouro", torch.float32, "cpu")
+    real = model.generate
+    seen: list = []
+    monkeypatch.setattr(model, "generate", lambda *a, **kw: seen.append(kw.get("prefill_rows")) or real(*a, **kw))
+    common_kwargs = dict(budget_bytes=2**30, weights_bytes=0, new_tokens=4, device="cpu", max_probes=2)
+    whole = run_cache(model, "micro-ouro", "ripe64", 96, **common_kwargs)
+    assert whole["prefill_rows"] is None and set(seen) == {None}
+    seen.clear()
+    grouped = run_cache(model, "micro-ouro", "ripe64", 96, prefill_rows=2, **common_kwargs)
+    assert grouped["prefill_rows"] == 2 and set(seen) == {2}
+    assert grouped["predicted_batch_row_workspace"] >= whole["predicted_batch_row_workspace"]
+    with pytest.raises(SystemExit, match="--prefill-rows must be a positive int"):
+        bench_capacity.main(["--device", "cpu", "--budget-gib", "1", "--prefill-rows", "0"])

@@ -16,6 +16,7 @@ from hf_loopcache.cache.layers.static_coded import FlushGroup, StaticCodedLayer,
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
+from hf_loopcache.cache.rows import group_cache, merge_group, widen_rows
 from hf_loopcache.layout import Cell, LoopLayout
 
 __all__ = ["LoopCache", "resolve_layout"]
@@ -370,6 +371,7 @@ class LoopCache(Cache):
         query_length: int,
         device: torch.device,
         scaling: float,
+        keep_mask: bool = False,
     ) -> tuple[AttentionInputs, torch.Tensor]:
         """A static cache's inputs of one forward, from device state only: the storage positions of the new tokens
         (`positions`, from the device length, which this advances), key validity over the storage (the mask's new
@@ -378,7 +380,8 @@ class LoopCache(Cache):
         counted on the device). Nothing here reads a device value on the host, so the step can be captured.
 
         `attention_mask` `[B, past + q]` or `[B, q]` (the new tokens' columns only), or None (every token real).
-        Returns the `AttentionInputs` and `position_ids` `[B, q]`."""
+        `keep_mask`: a prefill without padding keeps the masked read (a group of a grouped prefill whose batch has
+        padding elsewhere). Returns the `AttentionInputs` and `position_ids` `[B, q]`."""
         if batch_size > self.max_batch_size:  # type: ignore[operator]
             raise ValueError(
                 f"the batch has {batch_size} rows but this static cache was built with "
@@ -424,7 +427,13 @@ class LoopCache(Cache):
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(batch_size, -1)
         key_valid: torch.Tensor | None = valid
-        if q > 1 and length == 0 and not torch.compiler.is_compiling() and (attention_mask is None or bool(valid[:, :q].all())):
+        if (
+            q > 1
+            and length == 0
+            and not keep_mask
+            and not torch.compiler.is_compiling()
+            and (attention_mask is None or bool(valid[:, :q].all()))
+        ):
             # a prefill of real tokens only: the unmasked fast path (a prefill is never captured; after it, static
             # cells read `static_mask` / `static_valid` only, so a block never reads the mask on the host)
             key_valid = None
@@ -573,6 +582,46 @@ class LoopCache(Cache):
             )
         for layer in self.cells:
             layer.reserve(int(max_length))
+
+    def row_group(self, start: int, end: int, batch: int) -> LoopCache:
+        """The cache that rows `[start, end)` of a prefill of `batch` rows in groups write (the model's
+        `prefill_rows`; `hf_loopcache.cache.rows`): this cache for the first group (it must be empty), else a new
+        cache of the same plan whose largest buffers are views of this cache's rows. Hand it back with
+        `merge_row_group` after the group's forward."""
+        if not 0 <= start < end <= batch:
+            raise ValueError(f"rows [{start}, {end}) are not a group of a batch of {batch} rows")
+        if start == 0:
+            if self.get_seq_length() != 0:
+                raise ValueError(
+                    f"a prefill in groups of rows fills an empty cache, but this one holds {self.get_seq_length()} "
+                    f"positions; pass `prefill_rows=None` for a forward after cached positions"
+                )
+            if self.static and batch > self.max_batch_size:
+                raise ValueError(
+                    f"the batch has {batch} rows but this static cache was built with "
+                    f"`max_batch_size={self.max_batch_size}`"
+                )
+            return self
+        return group_cache(self, start, end)
+
+    def merge_row_group(self, group: LoopCache, start: int, end: int, batch: int) -> None:
+        """Rows `[start, end)` of this cache take what `group` (from `row_group`) stored in a grouped prefill of
+        `batch` rows: after the first group, every cell is widened to `batch` rows; after a later one, its rows are
+        copied where the group did not write them in place. Afterwards the cache holds what a prefill of the whole
+        batch at once stores."""
+        if start == 0:
+            if group is not self:
+                raise ValueError("the first group of a grouped prefill writes the cache itself (`row_group(0, ...)`)")
+            widen_rows(self, batch)
+        else:
+            merge_group(self, group, start, end)
+        if self.static:  # every static cell counts the rows held so far and sees their validity (its first rows)
+            for layer in self.cells:
+                if layer.is_initialized:
+                    layer.rows = end
+                if getattr(layer, "valid", None) is not None and self._valid_t is not None:
+                    layer.valid = self._valid_t[:end]
+        self._read = None
 
     def activate_past_recording(self) -> None:
         """Nothing to do: every cell keeps what `crop` needs (see `max_rollback` for exactness beyond the window)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -13,7 +14,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
 
-from hf_loopcache._compat import CACHE_KWARG, generate_cache, generate_cache_kwargs
+from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, generate_cache, generate_cache_kwargs
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
 from triton_ops import fused, gemv
 
@@ -32,9 +33,12 @@ __all__ = [
     "attention_half",
     "by_token_chunks",
     "check_num_loops",
+    "check_prefill_rows",
     "default_cache",
     "linear",
     "rope_span",
+    "row_groups",
+    "run_row_groups",
     "sandwich_layer",
     "stacked_linear",
     "stacked_projection",
@@ -362,8 +366,12 @@ class LoopForward:
         device: torch.device,
         scaling: float,
         output_attentions: bool = False,
+        keep_mask: bool = False,
     ) -> tuple[LoopForward, torch.Tensor]:
-        """Validate the cache, derive key validity and positions. Returns the state and `position_ids` `[B, q]`."""
+        """Validate the cache, derive key validity and positions. Returns the state and `position_ids` `[B, q]`.
+
+        An `attention_mask` without padding is dropped (attention takes its unmasked path) unless `keep_mask` (a group
+        of a prefill in row groups whose batch has padding in another group: each row computes as in the batch)."""
         if query_length < 1:
             raise ValueError(
                 "the input is empty (0 tokens): `input_ids` / `inputs_embeds` must hold at least one token; for a "
@@ -388,6 +396,7 @@ class LoopForward:
                 query_length=query_length,
                 device=device,
                 scaling=scaling,
+                keep_mask=keep_mask,
             )
             return cls(cache, inputs, layout, None), position_ids
         past = cache.get_seq_length() if cache is not None else 0
@@ -407,7 +416,7 @@ class LoopForward:
             attention_mask = attention_mask[:, : past + query_length].to(device)
             # an all-ones mask is dropped so attention takes its unmasked fast path; a traced forward (torch.export,
             # torch.compile) keeps the mask instead, since the test reads tensor data (the result is the same)
-            if torch.compiler.is_compiling() or not bool(attention_mask.all()):
+            if keep_mask or torch.compiler.is_compiling() or not bool(attention_mask.all()):
                 key_valid = attention_mask.bool()
         if position_ids is None:
             if key_valid is not None:
@@ -464,6 +473,87 @@ class LoopForward:
         out, weights = eager_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
         cast("list", self.attentions).append(weights)
         return out
+
+
+def check_prefill_rows(value: Any) -> int | None:
+    """`prefill_rows` as given: None, or a positive int; anything else raises naming the allowed values."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`prefill_rows` must be None (the whole batch in one forward) or a positive int (rows per group of a "
+            f"prefill), got {value!r}"
+        )
+    return value
+
+
+def row_groups(prefill_rows: Any, cache: Any, batch: int, query_length: int) -> list[tuple[int, int]] | None:
+    """The groups of rows `[(start, end), ...]` that a forward of `batch` rows and `query_length` new tokens runs one
+    after the other with `prefill_rows`, or None when it runs in one call.
+
+    Groups are taken for a prefill (more than one new token) into an empty `LoopCache`, or without a cache, when the
+    batch has more rows than `prefill_rows`; a forward after cached positions (decode steps, verification blocks, a
+    continued prompt) runs in one call. A cache other than a `LoopCache` raises: its rows cannot be written by
+    group."""
+    rows = check_prefill_rows(prefill_rows)
+    if rows is None or batch <= rows or query_length < 2:
+        return None
+    if cache is not None:
+        if not getattr(cache, "is_loop_cache", False):
+            raise ValueError(
+                f"`prefill_rows` writes a prefill's rows group by group into an hf_loopcache `LoopCache` (FullLoopCache, "
+                f"RIPECache, DeepestPlaneCache, LoopKVCache), got {type(cache).__name__}; pass `prefill_rows=None`"
+            )
+        if cache.get_seq_length() != 0:
+            return None
+    return [(a, min(a + rows, batch)) for a in range(0, batch, rows)]
+
+
+def _put_rows(whole: Any, part: Any, start: int, end: int, batch: int) -> Any:
+    """An output field of the batch (`whole`, None before the first group) with a group's (`part`) in rows `[start,
+    end)`: tensors are allocated for the batch at the first group and written in place (a join at the end would
+    hold every row's output twice)."""
+    if part is None:
+        return whole
+    if isinstance(part, torch.Tensor):
+        if whole is None:
+            whole = part.new_empty((batch, *part.shape[1:]))
+        whole[start:end] = part
+        return whole
+    if isinstance(part, tuple):
+        whole = (None,) * len(part) if whole is None else whole
+        return tuple(_put_rows(w, p, start, end, batch) for w, p in zip(whole, part))
+    raise TypeError(f"a grouped prefill cannot join output fields of type {type(part).__name__}")
+
+
+def run_row_groups(cache: Any, groups: list[tuple[int, int]], batch: int, run: Any) -> Any:
+    """A forward of `batch` rows as one forward per group of rows (`row_groups`): `run(start, end, group_cache)` is the
+    model's forward over rows `[start, end)` into `group_cache` (`LoopCache.row_group`; None without a cache),
+    returning a `ModelOutput`. The groups' cells land in their rows of `cache`, so that it holds what the forward of
+    the whole batch stores; the output is the groups' joined along the batch, with `cache`.
+
+    Each group runs the whole model (every layer, every loop) for its rows, so a prefill's activations, the part of
+    its memory that grows with the batch (the layer's input and output, a cell's keys and values for the prompt,
+    Huginn's injected embeddings), are one group's. Rows are independent, so each row is computed as in the batch.
+    What the forward returns for every row is still held for every row (the logits where they are taken; Huginn's
+    `latent_states`, one hidden state per prompt token, unless `output_details={"return_latents": False}`, which
+    `generate`'s prefill passes)."""
+    joined: dict[str, Any] = {}
+    kind = None
+    for start, end in groups:
+        part = None if cache is None else cache.row_group(start, end, batch)
+        out = run(start, end, part)
+        kind = type(out)
+        for f in dataclasses.fields(out):  # the group's cache is not kept: its rows are in `cache` after the merge
+            if f.name != OUTPUT_CACHE_FIELD:
+                joined[f.name] = _put_rows(joined.get(f.name), getattr(out, f.name), start, end, batch)
+        del out
+        if cache is not None:
+            cache.merge_row_group(part, start, end, batch)
+        del part
+    return cast("Any", kind)(**joined, **{OUTPUT_CACHE_FIELD: cache})
 
 
 def _full_precision_states(cache: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

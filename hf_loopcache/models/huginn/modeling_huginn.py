@@ -32,7 +32,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument
+from hf_loopcache._compat import OUTPUT_CACHE_FIELD, cache_argument, generate_cache
 from hf_loopcache.layout import LoopLayout
 from hf_loopcache.models._common import (
     STACK_TOKENS,
@@ -42,9 +42,12 @@ from hf_loopcache.models._common import (
     RMSNorm,
     by_token_chunks,
     check_num_loops,
+    check_prefill_rows,
     default_cache,
     linear,
     one_piece,
+    row_groups,
+    run_row_groups,
     sandwich_layer,
 )
 from hf_loopcache.models.huginn.configuration_huginn import HuginnConfig
@@ -324,6 +327,8 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         unshifted_loss: bool = False,
+        prefill_rows: int | None = None,
+        keep_mask: bool = False,
         **kwargs: Any,
     ) -> HuginnCausalLMOutput | tuple:
         r"""
@@ -357,8 +362,32 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
                 `attentions`, `log_ppl`, `latent_states`, leaving out those that are None). `output_details`'
                 `return_head` puts the final normed state, one tensor, in `hidden_states` unless `output_hidden_states`
                 asks for the tuple.
+            prefill_rows (`int`, *optional*, defaults to None): run a prefill (a forward of more than one new token
+                into an empty cache, or without a cache) over groups of at most this many rows, one after the other,
+                each group's cells written into its rows of the one cache: the activations that grow with the batch
+                (the state, the injected embeddings, a block's output, a cell's prompt keys and values) are one
+                group's (`hf_loopcache.models._common.run_row_groups`). The cache holds, and the forward returns, what
+                the whole batch at once gives: rows are independent, and what the batch draws from the RNG (the
+                initial state, the step sampler) is drawn once for the batch, in the official order. A random initial
+                state (`init_scale > 0`) is then held for the whole batch; the default zero state is not. None runs
+                the batch in one forward; decode steps and forwards after cached positions always do.
+                `generate(..., prefill_rows=N)` hands it to every forward. Not with `labels`.
+            keep_mask (`bool`, *optional*, defaults to False): keep an `attention_mask` without padding (the masked
+                attention path) instead of dropping it; a prefill in row groups sets it for every group when any row
+                of the batch is padded, so that each row is computed as in the whole batch.
         """
         cache = cache_argument(past_key_values, cache)
+        if check_prefill_rows(prefill_rows) is not None:
+            grouped = self._row_grouped(
+                prefill_rows, cache, input_ids=input_ids, input_embeds=input_embeds, inputs_embeds=inputs_embeds,
+                input_states=input_states, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                num_steps=num_steps, output_details=output_details, use_cache=use_cache, init_scale=init_scale,
+                logits_to_keep=logits_to_keep, output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states, return_dict=return_dict, unshifted_loss=unshifted_loss,
+                keep_mask=keep_mask, **kwargs,
+            )  # fmt: skip
+            if grouped is not None:
+                return grouped
         flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
         details = {"return_logits": True, "return_latents": True, "return_head": False, **(output_details or {})}
         if details.get("return_stats"):
@@ -390,6 +419,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             device=embeds.device,
             scaling=self.config.head_dim**-0.5,
             output_attentions=flags.attentions,
+            keep_mask=keep_mask,
         )
         rope = _rope_angles(position_ids, self.config.head_dim, self.config.rope_base)
         n_pre, n_core = self.config.n_layers_in_prelude, self.config.n_layers_in_recurrent_block
@@ -449,3 +479,70 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             **{OUTPUT_CACHE_FIELD: cache},
         )
         return flags.finish(output)
+
+    def prepare_inputs_for_generation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """transformers' inputs of a generate step; the prefill (a step into an empty cache) does not compute
+        `latent_states` unless the call asks for `output_details`: `generate` returns no latent states, and they are
+        one hidden state per prompt token held for every row to the prefill's end (82.5 MiB per 8K row on
+        Huginn-0125). Decode steps keep their inputs as they are (a captured step's key reads only scalar inputs)."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        cache = generate_cache(inputs)
+        if inputs.get("output_details") is None and (cache is None or cache.get_seq_length() == 0):
+            inputs["output_details"] = {"return_latents": False}
+        return inputs
+
+    def _row_grouped(self, prefill_rows: int, cache: Any, **inputs: Any) -> HuginnCausalLMOutput | tuple | None:
+        """`forward` over groups of rows (`prefill_rows`), or None when the call runs in one forward. What the whole
+        batch draws from the RNG is drawn here, once, in the official order (the initial state, then the step
+        sampler), and handed to each group: a zero state (`init_scale=0`, eval's default) as zeros of the group's
+        rows, a random one as its rows of the batch's."""
+        if inputs["labels"] is not None:
+            raise ValueError(
+                "`prefill_rows` runs a prefill in groups of rows; a loss over the batch (`labels`) is computed in one "
+                "forward: pass `prefill_rows=None`"
+            )
+        ids, embeds = inputs["input_ids"], inputs["input_embeds"]
+        embeds = embeds if embeds is not None else inputs["inputs_embeds"]
+        given = ids if ids is not None else embeds
+        if given is None or given.dim() < 2 or given.shape[0] <= prefill_rows or given.shape[1] < 2:
+            return None
+        b, q_len = given.shape[:2]
+        init_scale = inputs["init_scale"]
+        if init_scale is None:
+            init_scale = 1.0 if self.training else self.config.init_scale
+        like = embeds if embeds is not None else self._part("wte").weight
+
+        def zeros(n: int) -> torch.Tensor:
+            return like.new_zeros((n, q_len, self.config.n_embd))
+
+        states = inputs["input_states"]
+        if states is None:  # the batch's draw (`forward` draws it from embeddings of this shape and dtype)
+            states = self.initialize_state(like.new_empty((b, q_len, self.config.n_embd)), scale=init_scale)
+            if not self.config.init_values["std"] * init_scale > 0:
+                states = None  # zeros: each group gets zeros of its own rows, the batch's are not held
+        no_grad, with_grad = self._resolve_steps(inputs["num_steps"])
+        cache = default_cache(self, cache, use_cache=inputs["use_cache"], num_loops=no_grad + with_grad)
+        groups = row_groups(prefill_rows, cache, b, q_len)
+        if groups is None:  # one forward after all (a cache with cached positions): with the batch's draws
+            return self.forward(**{**inputs, "input_states": zeros(b) if states is None else states,
+                                 "num_steps": (no_grad, with_grad), "cache": cache})
+        mask = inputs["attention_mask"]
+        padded = mask is not None and not bool(mask.all())
+        flags = OutputFlags.resolve(
+            self.config, inputs["output_attentions"], inputs["output_hidden_states"], inputs["return_dict"]
+        )
+
+        def rows(t: Any, a: int, e: int) -> Any:
+            return t[a:e] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+
+        def run(a: int, e: int, part: Any) -> Any:
+            group_states = zeros(e - a) if states is None else states[a:e]
+            return self.forward(**{
+                **inputs, "input_ids": rows(ids, a, e), "input_embeds": rows(embeds, a, e), "inputs_embeds": None,
+                "input_states": group_states, "attention_mask": rows(mask, a, e),
+                "position_ids": rows(inputs["position_ids"], a, e), "num_steps": (no_grad, with_grad),
+                "use_cache": inputs["use_cache"] if part is None else True, "cache": part, "return_dict": True,
+                "keep_mask": inputs["keep_mask"] or padded,
+            })  # fmt: skip
+
+        return flags.finish(run_row_groups(cache, groups, b, run))

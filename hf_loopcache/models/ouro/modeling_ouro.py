@@ -35,9 +35,12 @@ from hf_loopcache.models._common import (
     RMSNorm,
     by_token_chunks,
     check_num_loops,
+    check_prefill_rows,
     default_cache,
     linear,
     one_piece,
+    row_groups,
+    run_row_groups,
     sandwich_layer,
     stacked_linear,
     stacked_projection,
@@ -221,6 +224,7 @@ class OuroModel(OuroPreTrainedModel):
         cache: Any = None,
         cache_position: torch.Tensor | None = None,
         loop_states_to_keep: int | torch.Tensor = 0,
+        keep_mask: bool = False,
         **kwargs: Any,
     ) -> OuroModelOutput | tuple:
         r"""
@@ -240,6 +244,9 @@ class OuroModel(OuroPreTrainedModel):
             output_attentions (`bool`, *optional*): return `attentions`, one `[B, H, q, T]` softmax map per layer call
                 in the same order (computed eagerly; needs the attended keys at full precision).
             cache_position: accepted and ignored (positions come from the cache and `attention_mask`).
+            keep_mask (`bool`, *optional*, defaults to False): keep an `attention_mask` without padding (the masked
+                attention path) instead of dropping it; a prefill in row groups sets it for every group when any row
+                of the batch is padded, so that each row is computed as in the whole batch.
         """
         cache = cache_argument(past_key_values, cache)
         flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
@@ -260,6 +267,7 @@ class OuroModel(OuroPreTrainedModel):
             device=hidden.device,
             scaling=self.config.head_dim**-0.5,
             output_attentions=flags.attentions,
+            keep_mask=keep_mask,
         )
         rope = self.rotary_emb(hidden, position_ids)
         n_layers = self.config.num_hidden_layers
@@ -369,6 +377,8 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         return_dict: bool | None = None,
         cache: Any = None,
         cache_position: torch.Tensor | None = None,
+        prefill_rows: int | None = None,
+        keep_mask: bool = False,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
         r"""
@@ -388,11 +398,46 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
                 `loop_hidden_states`). No cache is built when `labels` are given unless `use_cache=True`.
             return_dict (`bool`, *optional*): False returns a tuple (`loss`, `logits`, cache, `hidden_states`,
                 `attentions`, leaving out those that are None).
+            prefill_rows (`int`, *optional*, defaults to None): run a prefill (a forward of more than one new token
+                into an empty cache, or without a cache) over groups of at most this many rows, one after the other,
+                each group's cells written into its rows of the one cache: the activations that grow with the batch
+                are one group's (see `hf_loopcache.models._common.run_row_groups`). The cache holds, and the forward
+                returns, what the whole batch at once gives (rows are independent). None runs the batch in one
+                forward; decode steps and forwards after cached positions always do. `generate(...,
+                prefill_rows=N)` hands it to every forward. Not with `labels` (a loss over the batch).
+            keep_mask: see `OuroModel.forward`.
         """
         cache = cache_argument(past_key_values, cache)
         flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
         if labels is not None and use_cache is None and cache is None:
             use_cache = False  # a loss needs no new cache (a cache passed in is still used)
+        if check_prefill_rows(prefill_rows) is not None:
+            if labels is not None:
+                raise ValueError("`prefill_rows` runs a prefill in groups of rows; a loss over the batch (`labels`) "
+                                 "is computed in one forward: pass `prefill_rows=None`")
+            rows_in = input_ids if input_ids is not None else inputs_embeds
+            b, q_len = rows_in.shape[:2] if rows_in is not None else (0, 0)
+            loops = check_num_loops(self.config.total_ut_steps if num_loops is None else num_loops, "num_loops")
+            cache = default_cache(self, cache, use_cache=use_cache, num_loops=loops)
+            groups = row_groups(prefill_rows, cache, b, q_len)
+            if groups is not None:
+                padded = attention_mask is not None and not bool(attention_mask.all())
+
+                def rows(t: Any, a: int, e: int) -> Any:
+                    return t[a:e] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+
+                def run(a: int, e: int, part: Any) -> Any:
+                    return self.forward(
+                        input_ids=rows(input_ids, a, e), attention_mask=rows(attention_mask, a, e),
+                        position_ids=rows(position_ids, a, e), inputs_embeds=rows(inputs_embeds, a, e),
+                        use_cache=use_cache if part is None else True, logits_to_keep=logits_to_keep, num_loops=loops,
+                        use_early_exit_gate=use_early_exit_gate, use_weighted_exit=use_weighted_exit,
+                        exit_at_step=exit_at_step, exit_threshold=exit_threshold,
+                        output_attentions=flags.attentions, output_hidden_states=flags.hidden_states,
+                        return_dict=True, cache=part, keep_mask=keep_mask or padded, **kwargs,
+                    )  # fmt: skip
+
+                return flags.finish(run_row_groups(cache, groups, b, run))
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -406,6 +451,7 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             output_hidden_states=flags.hidden_states,
             return_dict=True,
             loop_states_to_keep=logits_to_keep,  # the loops' states only where logits are taken
+            keep_mask=keep_mask,
         )
         loop_hidden = outputs.loop_hidden_states
         exit_at_step = exit_at_step if exit_at_step is not None else self.config.early_exit_step
