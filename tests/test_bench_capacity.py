@@ -128,12 +128,12 @@ def test_prefill_rows_reaches_every_probe_and_the_model(monkeypatch):
     real = model.generate
     seen: list = []
     monkeypatch.setattr(model, "generate", lambda *a, **kw: seen.append(kw.get("prefill_rows")) or real(*a, **kw))
-    common_kwargs = dict(budget_bytes=2**30, weights_bytes=0, new_tokens=4, device="cpu", max_probes=2)
+    common_kwargs = dict(budget_bytes=2**23, weights_bytes=0, new_tokens=4, device="cpu", max_probes=2)
     whole = run_cache(model, "micro-ouro", "ripe64", 96, **common_kwargs)
     assert whole["prefill_rows"] is None and set(seen) == {None}
     seen.clear()
     grouped = run_cache(model, "micro-ouro", "ripe64", 96, prefill_rows=2, **common_kwargs)
     assert grouped["prefill_rows"] == 2 and set(seen) == {2}
-    assert grouped["predicted_batch_row_workspace"] >= whole["predicted_batch_row_workspace"]
+    assert grouped["predicted_batch_row_workspace"] > whole["predicted_batch_row_workspace"]
     with pytest.raises(SystemExit, match="--prefill-rows must be a positive int"):
         bench_capacity.main(["--device", "cpu", "--budget-gib", "1", "--prefill-rows", "0"])
