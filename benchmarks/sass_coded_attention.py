@@ -8,6 +8,7 @@ element (`NP * 32` tokens x 128 channels per step).
 
     python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec [--vpipe 1 [--scores 1] [--unroll 1]]]
         [--sub 2] [--maxnreg 168] [--sass out.sass]
+    python -m benchmarks.sass_coded_attention --rows 5 [--general --pages 1 --warps 4 --stages 3]  # v7 blocks
 
 `bar` / `shfl`: BAR / SHFL instructions per step; `programs_per_sm`: resident programs per SM by registers.
 
@@ -37,7 +38,7 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
     consts = dict(
         D=128, DH=128, PAGE=32, VGROUP=32, KV_FMT=fmt, BLOCK_R=16, BLOCK_T=32, BLOCK_PM=64, USE_VALID=False,
         USE_VPREC=vprec, COUNT=False, READ_PREFIX=False, PAGE_MAX_ONLY=False, IEEE=dtype == "fp32", ROW1=True,
-        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False, SUB=1, SUB_STAGES=0,
+        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False, SUB=1, SUB_STAGES=0, ROWX=False,
     )  # fmt: skip
     consts.update(extra or {})
     ptr_types = dict(
@@ -158,7 +159,12 @@ def programs_per_sm(regs: int, warps: int, smem: int = 0) -> int:
     return min(65536 // (per_warp * warps), 233472 // (smem + 1024), 64 // warps, 32)
 
 
-def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None, maxnreg=None):
+def report(
+    fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_path=None, extra=None, maxnreg=None, rows=1
+):
+    """The loop's counts; `rows`: the query rows per KV head of a verification block the launch serves (v7): with
+    `ROW1` off (the general path: one program per row block of `BLOCK_R` >= 16 rows) every loop step serves all of
+    them, with `ROWX` (one program per row, the word loop) one, so `per_element_row` divides by `rows` or by 1."""
     cubin, meta = compile_row1(fmt, pages, warps, stages, vprec, dtype, extra, maxnreg)
     sass = sass_of(cubin)
     if sass_path:
@@ -180,9 +186,11 @@ def report(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", sass_pa
     n_spills = int(re.search(r"STACK:(\d+)", res).group(1))
     stl = sum(1 for _, op, _ in ins if op.startswith(("STL", "LDL")))
     ldg = [i for i, (_, op, _) in enumerate(loop) if op.startswith("LDG")]
+    per_element = len(loop) * warps * 32 / elements
+    row1 = (extra or {}).get("ROW1", True)
     return dict(
         fmt=fmt, pages=pages, warps=warps, vprec=vprec, dtype=dtype, total=len(ins), loop=len(loop),
-        per_element=len(loop) * warps * 32 / elements, regs=n_regs, stack=n_spills, local_ins=stl,
+        per_element=per_element, per_element_row=per_element / (1 if row1 else rows), regs=n_regs, stack=n_spills, local_ins=stl,
         loop_local=ops.get("LDL", 0) + ops.get("STL", 0), bar=ops.get("BAR", 0), shfl=ops.get("SHFL", 0),
         smem=meta.shared, programs_per_sm=programs_per_sm(n_regs, warps, meta.shared),
         ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None),
@@ -208,13 +216,28 @@ def main(argv=None):
     p.add_argument("--maxnreg", type=int, default=None, help="ptxas's register cap per thread (`ROW1_TUNING['maxnreg']`)")
     p.add_argument("--sub", type=int, default=1, help="v6: steps per page (SUB, `ROW1_TUNING['sub']`; --pages 1)")
     p.add_argument("--sub-stages", type=int, default=0, help="v6: SUB_STAGES (`ROW1_TUNING['sub_stages']`)")
+    p.add_argument(
+        "--rows", type=int, default=1,
+        help="v7: query rows per KV head of a verification block (> 1: the word loop per row, `ROWX`; with "
+        "--general, the general path's row-block loop); `per_element_row`: instructions per code element per row",
+    )  # fmt: skip
+    p.add_argument(
+        "--general", action="store_true",
+        help="the general path (ROW1 off, byte reads, row blocks of 16, tl.dot; one page per step; the launcher uses "
+        "Triton's defaults, 4 warps and 3 stages: pass --warps 4 --stages 3)",
+    )  # fmt: skip
     p.add_argument("--sass", default=None, help="write the whole SASS here")
     a = p.parse_args(argv)
     extra = {"WORDS": bool(a.words), "VPIPE": bool(a.vpipe), "SCORES": bool(a.scores), "READ_PREFIX": bool(a.scores)}
     extra["VUNROLL"] = bool(a.unroll)
     extra["SUB"] = a.sub
     extra["SUB_STAGES"] = a.sub_stages
-    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra, a.maxnreg)
+    if a.general:
+        extra.update(ROW1=False, WORDS=False, SUB=1)
+        a.pages = 1
+    elif a.rows > 1:
+        extra["ROWX"] = True
+    r = report(a.fmt, a.pages, a.warps, a.stages, a.vprec, a.dtype, a.sass, extra, a.maxnreg, a.rows)
     for k, v in r.items():
         print(f"{k}: {v}")
 

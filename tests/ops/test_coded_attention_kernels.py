@@ -57,6 +57,7 @@ class Case:
     lean: float = 2.0  # sink keys lean towards the first H_kv query heads by this much (a sink maximum exists)
     vgroup: int = 32  # value channel group of the codes
     guard: bool = False  # every tensor a view into a buffer whose columns past the head dim hold NaN / 0xFF
+    spread: int = 0  # > 0: the window starts this many positions before the history end (bounds cross pages)
 
     def id(self) -> str:
         fmt = {4: "int4", 2: "int2", 0: "bf16"}[self.fmt]
@@ -67,6 +68,7 @@ class Case:
         extra += f"-lean{self.lean:g}" if self.lean != 2.0 else ""
         extra += f"-G{self.vgroup}" if self.vgroup != 32 else ""
         extra += "-guard" if self.guard else ""
+        extra += f"-spread{self.spread}" if self.spread else ""
         return f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-S{self.S}-T{self.hist}-W{self.Wn}-Q{self.Q}-{fmt}{extra}"
 
 
@@ -83,7 +85,7 @@ def _build(case: Case, dtype: torch.dtype, seed: int = 0):
     t_codes = pages * PAGE
     hist_end = s + case.hist  # the last query's bound
     # the window starts where the first query's history ends (bounds move by up to Q - 1 inside a block)
-    w_start = max(s, hist_end - (case.Q - 1 if case.moving else 0))
+    w_start = max(s, hist_end - (case.spread or (case.Q - 1 if case.moving else 0)))
     n = hist_end + case.Wn
     q = r(b, case.Hq, case.Q, d, scale=1.5)
     parts = dict(
@@ -341,6 +343,110 @@ def test_row1_occupancy_settings_are_validated():
     for bad in (16, 300, 168.0):
         with pytest.raises(ValueError, match=r"tuning\['maxnreg'\]"):
             _run_kernel(data, tuning={"maxnreg": bad})
+
+
+VERIFY_CASES = [
+    # v7: verification blocks over coded history on the word path, one program per (split, query row); `spread`:
+    # the per-query history bounds of a block (and of each batch row) differ by up to that many positions, across
+    # pages, so a row's query reads fewer pages than its neighbours'
+    Case(hist=100, Q=2, Hq=2, Hkv=2, D=64, vprec=False, spread=40, splits=2, B=2, lean=0.3),
+    Case(hist=130, Q=5, Hq=2, Hkv=2, D=64, vprec=False, spread=70, splits=3, B=2, pad=True, lean=0.3),  # holes
+    Case(hist=90, Q=3, Hq=4, Hkv=2, D=64, fmt=2, spread=50, splits=2, lean=0.3),  # GQA 2: rows g * Q + i
+    Case(hist=70, Q=4, Hq=1, Hkv=1, D=128, vprec=False, spread=33, strided=True, lean=0.3),  # a share cell's codes
+    Case(hist=100, Q=5, Hq=2, Hkv=2, D=96, vprec=False, spread=40, splits=2, B=2, pad=True, guard=True, lean=0.3),
+    Case(hist=64, Q=9, Wn=8, Hq=2, Hkv=2, D=64, fmt=2, splits=2, lean=0.3),  # a block of W + 1 tokens
+    Case(hist=80, Q=2, Hq=8, Hkv=2, D=64, vprec=False, spread=45, B=2, pad=True, lean=0.3),  # GQA 4, 8 rows
+    # V precision (v4's loop per row): each row's running maximum from the sink and, across splits, from its own
+    # page maxima (the first pass runs per (split, row) too); the cold counts equal the reference's
+    Case(hist=130, Q=5, Hq=2, Hkv=2, D=64, spread=70, splits=3, B=2, pad=True, lean=0.3),
+    Case(hist=100, Q=3, Hq=4, Hkv=2, D=96, spread=40, splits=2, guard=True, lean=0.3),
+    Case(hist=100, Q=2, Hq=2, Hkv=2, D=64, spread=40, splits=1, lean=0.3),
+]
+VERIFY_SETTINGS = {
+    "v7": {"rows_max": 16},  # short splits: the half-page steps at one warp (v6) where the head dim allows
+    "v7-v4": {"rows_max": 16, "sub_auto_pages": 0},  # v4's loop (one page per step, next step prefetched)
+}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The history launch's `(ROWX, ROW1, SUB, grid[0])`, recorded per call of the split kernel."""
+    from triton_ops.coded_attention import kernels
+
+    real, seen = kernels._coded_attention_fwd_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append((kw["ROWX"], kw["ROW1"], kw["SUB"], grid[0]))
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
+    return seen
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in VERIFY_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("setting", list(VERIFY_SETTINGS))
+def test_verification_blocks_take_the_word_path(case, dtype, setting, launches):
+    """v7 (`ROW1_TUNING["rows_max"]`): a verification block of `G * Q` rows per KV head (MHA and GQA, INT4 / INT2,
+    borrowed codes, padding holes, head dims 64 / 128 / 96, V precision) reads coded history on the one-row word
+    path, one program per (split, row), each with its own query's history bound; the partials merge to the
+    reference. The launch is checked: `ROWX` on, `NS * rows` history programs ahead of the tail's."""
+    _check(case, dtype, tuning=VERIFY_SETTINGS[setting])
+    rows = case.Hq // case.Hkv * case.Q
+    two = case.vprec and case.fmt == 4 and (case.splits or 1) > 1  # V precision across splits: page maxima first
+    assert [x[:2] for x in launches] == [(True, True)] * (2 if two else 1), launches
+    # `_codes_history_row1s` reads power-of-two head dims without V precision
+    half = setting == "v7" and not case.D & (case.D - 1) and not (case.vprec and case.fmt == 4)
+    assert launches[0][2] == (2 if half else 1), launches
+    assert launches[0][3] >= rows + 1, launches  # a history program per (split, row), then the tail's
+
+
+def test_verification_block_rows_read_their_own_bounds(launches):
+    """Bounds that fall, rise and differ between the batch rows (query 0 of row 1 reads the most history, its last
+    query the least; a query of row 0 reads no history page at all): each (split, row) program reads its own query's
+    pages; the kernel matches the reference, and with the word path off (the general path) too."""
+    case = Case(hist=128, Q=4, Hq=2, Hkv=2, D=64, vprec=False, spread=128, splits=3, B=2, S=4, lean=0.3)
+    data = _build(case, torch.float32)
+    lo, hi = data["w_start"], case.S + case.hist
+    data["bounds"] = torch.tensor([[hi, lo, lo + 40, hi - 1], [hi, hi - 70, lo + 3, lo + 33]], dtype=torch.int32)
+    ref, ref_lse = _reference(data)
+    for tune in ({"rows_max": 16}, {"rows_max": 16, "sub_auto_pages": 0}, {"rows_max": 0}):
+        out, lse = _run_kernel(data, tuning=tune)
+        assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], tune
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
+    assert [x[0] for x in launches] == [True, True, False], launches
+
+
+@pytest.mark.parametrize(
+    "case, tune",
+    [
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 4}),  # 5 rows > rows_max
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {}),  # the default: off
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 16, "words": False}),
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=32, fmt=0, splits=2), {"rows_max": 16}),  # dense history
+    ],
+    ids=["rows-over-max", "default", "bytes", "dense"],
+)
+def test_verification_blocks_keep_the_general_path(case, tune, launches):
+    """Where v7 does not apply (more rows than `rows_max`, `rows_max` 0, the byte path, a dense history) the block
+    takes the general path (row blocks of tl.dot), and still matches the reference."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    _check(case, torch.float32, tuning=tune)
+    assert all(x[:2] == (False, False) for x in launches), launches
+    if not tune:
+        assert ROW1_TUNING["rows_max"] == 0
+
+
+def test_rows_max_is_validated():
+    data = _build(Case(hist=40, Q=2, Hq=2, Hkv=2, vprec=False), torch.float32)
+    for bad in (-1, 17, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=r"tuning\['rows_max'\]"):
+            _run_kernel(data, tuning={"rows_max": bad})
 
 
 DENSE_CASES = [c for c in CPU_CASES if not c.fmt]

@@ -1332,10 +1332,22 @@ def _coded_attention_fwd_kernel(
     VUNROLL: tl.constexpr = False,
     SUB: tl.constexpr = 1,
     SUB_STAGES: tl.constexpr = 0,
+    ROWX: tl.constexpr = False,
 ):
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    if ROWX:
+        # v7 (verification blocks): `NS * G * Q` history programs, one per (split, row), run the one-row word path
+        # on their own query row (row `i_x` of the only row block); then the tail programs. `i_s` becomes the
+        # partial's slot: the split of a history program, `NS + j` for tail program j
+        R_X = G * Q
+        if i_s < NS * R_X:
+            i_x = i_s % R_X
+            i_s = i_s // R_X
+        else:
+            i_x = 0
+            i_s = i_s - NS * R_X + NS
     if DEV_LEN:
         n_start = tl.load(len_ptr).to(tl.int32)
     i_b, i_hk = i_bh // H_KV, i_bh % H_KV
@@ -1409,13 +1421,19 @@ def _coded_attention_fwd_kernel(
         o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
         if ROW1:
             # one query row per KV head (decode, no GQA): the elementwise path, NP pages per step
-            p_q1 = q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d
+            if ROWX:  # v7: this program's row i_x = g * Q + i, its own history bound and pages
+                p_q1 = q_ptr + i_b * stride_qb + (i_hk * G + i_x // Q) * stride_qh + (i_x % Q) * stride_qq + o_d
+                nh1 = tl.sum(tl.where(o_r == i_x, b_nh, 0), axis=0)
+                p_end = tl.minimum(tl.minimum(p_begin + pages_per_split, n_pages), (tl.maximum(nh1, 0) + PAGE - 1) // PAGE)
+                part1 = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + i_x
+            else:
+                p_q1 = q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d
             if DH < D:  # a head dim that is no power of two: the query is zero past DH
                 b_q1 = tl.load(p_q1, mask=o_d < DH, other=0.0).to(tl.float32) * qk_scale
             else:
                 b_q1 = tl.load(p_q1).to(tl.float32) * qk_scale
             if USE_VPREC and not PAGE_MAX_ONLY:
-                b_run1 = tl.max(tl.where(o_r == 0, b_run, float("-inf")), axis=0)
+                b_run1 = tl.max(tl.where(o_r == (i_x if ROWX else 0), b_run, float("-inf")), axis=0)
             else:
                 b_run1 = 0.0
             i32p: tl.constexpr = tl.pointer_type(tl.int32)
@@ -1441,7 +1459,8 @@ def _coded_attention_fwd_kernel(
                     (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
                     hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
                     stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
-                    (i_s * tl.num_programs(1) + i_bh) * (G * Q), tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
+                    part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * (G * Q),
+                    nh1 if ROWX else tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
                     hist_start, p_begin, p_end, D, PAGE, VGROUP, KV_FMT, PAGE // SUB, USE_VALID, not IEEE, SUB_STAGES,
                 )  # fmt: skip
             elif WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
@@ -1452,9 +1471,12 @@ def _coded_attention_fwd_kernel(
                     (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
                     (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
                     hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
-                    stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, i_bh,
-                    (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
-                    tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, margin, p_sc,
+                    stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
+                    i_bh * (G * Q) + i_x if ROWX else i_bh,  # the row of the page maxima
+                    part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * (G * Q),
+                    part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),  # V-precision counts' slot
+                    nh1 if ROWX else tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
+                    hist_start, p_begin, p_end, n_pages, margin, p_sc,
                     D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, SCORES, DH,
                 )  # fmt: skip
             else:

@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16,
+    "sub_auto_pages": 16, "rows_max": 0,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -151,17 +151,26 @@ def _coded_attention_fwd(
     # one query row per KV head and power-of-two value groups: the elementwise path (kernels._codes_history_row1;
     # a head dim that is no power of two, e.g. 96 = 3 groups of 32, reads its groups padded to dp / vgroup = 4)
     n_groups = dp // vgroup if fmt else 0
-    row1 = bool(fmt) and rows == 1 and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
+    rows_max = tune.get("rows_max", 0)
+    if isinstance(rows_max, bool) or not isinstance(rows_max, int) or not 0 <= rows_max <= 16:
+        raise ValueError(f"`tuning['rows_max']` must be an int in [0, 16] (0: off), got {rows_max!r}")
+    # v7: a verification block of 1 < rows <= `rows_max` query rows per KV head runs the word path once per row
+    # (`rowx`: the history programs are (split, row) pairs; V precision in v4's loop); the general path otherwise
+    rowx = 1 < rows <= rows_max and bool(tune.get("words"))
+    row1 = bool(fmt) and (rows == 1 or rowx) and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
     row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"])
     # v4: codes read as 32-bit words (value groups of 16k channels; every code tensor 4-byte aligned in all dims)
     words = row1 and bool(tune.get("words")) and vgroup % 16 == 0 and not (vgroup // 16) & (vgroup // 16 - 1)
     if words:
         code_ts = [hk, hv] + ([hvl] if hvl is not None else [])
         words = all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in code_ts)
+    rowx = rowx and words
+    row1 = row1 and (rows == 1 or rowx)  # rows > 1 without the word path: the general path
+    base_h = b * hkv * rows if rowx else base  # history programs per split
     vmode = tune.get("vprec", "v4")
     if vmode not in VPREC_MODES:
         raise ValueError(f"`tuning['vprec']` must be one of {VPREC_MODES}, got {vmode!r}")
-    vpipe = use_vprec and words and vmode in ("pipe", "scores")
+    vpipe = use_vprec and words and vmode in ("pipe", "scores") and not rowx  # v5 reads one row per KV head
     sub = tune.get("sub", 1)
     if sub not in (1, 2, 4) or (sub > 1 and tune["pages"] != 1):
         raise ValueError(f"`tuning['sub']` must be 1, 2 or 4 (more than 1 with `tuning['pages']` 1), got {sub!r}")
@@ -184,10 +193,10 @@ def _coded_attention_fwd(
         # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
         # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
-        if use_vprec and base >= fill * sms:
+        if use_vprec and base_h >= fill * sms:
             ns = 1
         else:
-            ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base)))
+            ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base_h)))
     pps = -(-n_pages // ns) if ns else 0
     if num_splits is None and ns:
         pps = -(-pps // step) * step
@@ -219,7 +228,8 @@ def _coded_attention_fwd(
     pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
     sc = torch.empty(b * hkv, n_pages * page, dtype=torch.float32, device=dev) if scores else lse_part
     valid = key_valid if key_valid is not None else bound
-    stats_part = torch.zeros(max(ns, 1) * b * hkv * n_rblocks, 2, dtype=torch.int32, device=dev) if count else lse_part
+    slots = rows if rowx else n_rblocks  # V-precision count slots per (split, b * h_kv)
+    stats_part = torch.zeros(max(ns, 1) * b * hkv * slots, 2, dtype=torch.int32, device=dev) if count else lse_part
 
     def args(page_max_only: bool) -> dict:
         return dict(
@@ -299,6 +309,7 @@ def _coded_attention_fwd(
             VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
             SUB=sub if v6 else 1,
             SUB_STAGES=sub_stages if v6 else 0,
+            ROWX=rowx,
         )
 
     if row1:
@@ -309,9 +320,11 @@ def _coded_attention_fwd(
         launch = {"num_warps": dense["num_warps"], "num_stages": dense["num_stages"]}
     else:
         launch = {}
+    # v7: `ns * rows` history programs (split-major, the rows of a split adjacent: they read the same codes)
+    n_hist = ns * rows if rowx else ns
     if read_prefix:
-        _coded_attention_fwd_kernel[(ns, b * hkv, n_rblocks)](**args(True), **launch)
-    _coded_attention_fwd_kernel[(ns + nt, b * hkv, n_rblocks)](**args(False), **launch)
+        _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **launch)
+    _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **launch)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     block_d = min(dp, 32)
