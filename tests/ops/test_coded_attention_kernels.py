@@ -368,25 +368,6 @@ VERIFY_SETTINGS = {
 }
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The history launch's `(ROWX, ROW1, SUB, grid[0])`, recorded per call of the split kernel."""
-    from triton_ops.coded_attention import kernels
-
-    real, seen = kernels._coded_attention_fwd_kernel, []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append((kw["ROWX"], kw["ROW1"], kw["SUB"], grid[0]))
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
-    return seen
-
-
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in VERIFY_CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("setting", list(VERIFY_SETTINGS))

@@ -127,13 +127,22 @@ def test_device_lengths_view_errors():
                  history_start=2)  # fmt: skip
 
 
+VERIFY_CASES = [
+    # v7 (`ROW1_TUNING["rows_max"]`): verification blocks on the word path, one program per (split, row)
+    Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=70, Wn=6, Q=4, fmt=4, vprec=True, pad=True, spread=40),
+    Case(B=2, Hq=4, Hkv=2, D=64, S=4, hist=64, Wn=6, Q=2, fmt=2, vprec=False, spread=33),
+    Case(B=1, Hq=2, Hkv=2, D=96, S=4, hist=50, Wn=6, Q=3, fmt=4, vprec=False, pad=True, spread=30),
+]
+
+
 @needs_kernel
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in CASES + VERIFY_CASES])
 @pytest.mark.parametrize("tail", [None, 3], ids=["tail-auto", "tail3"])
-def test_kernel_with_device_lengths_matches_reference(case, tail):
+def test_kernel_with_device_lengths_matches_reference(case, tail, launches):
     """The kernel reads the static view (length from the device, ring window, every page in the grid) as the
     reference does, fp32, on the same codes; V-precision counts equal. `tail3`: the ring spread over tail programs
-    of 3 slots each (slot ranges cut across the ring's wrap)."""
+    of 3 slots each (slot ranges cut across the ring's wrap). v7's verification blocks (`spread`) take the word
+    path per (split, row) with `ROW1_TUNING["rows_max"]` 16 (the launches are recorded)."""
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     data = _build(case, torch.float32)
@@ -142,10 +151,11 @@ def test_kernel_with_device_lengths_matches_reference(case, tail):
     stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     out, lse = _coded_attention_fwd(
         data["q"].to(DEVICE), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats,
-        num_splits=3 if case.fmt else None, tuning={"tail_chunk": tail},
+        num_splits=3 if case.fmt else None, tuning={"tail_chunk": tail, "rows_max": 16 if case.spread else 0},
     )  # fmt: skip
     ref, ref_lse, ref_stats = _ref(data, _static_view(data, torch.float64), torch.float64)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=1e-5)
     if case.vprec and case.fmt == 4:
         assert stats.cpu().tolist() == ref_stats.tolist()
+    assert all(x[0] == bool(case.spread) for x in launches) and launches, launches
