@@ -14,6 +14,13 @@ A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5; `scores+unroll` /
 precision in both modes. Fields `key=value` set any other `ROW1_TUNING` key (v6, session 13):
 `--configs 1,2,1,8,1 1,1,1,8,1,sub=2 1,2,1,8,1,maxnreg=168` times v4, half-page steps at one warp, and v4 capped at
 168 registers per thread.
+
+v7 (verification blocks): `--queries 5` times a block of 5 new tokens per row (Ouro's MHA: 5 query rows per KV head;
+query i's history ends `queries - 1 - i` positions before the last one's, RIPE Eq. 9); `rows_max=16` switches the
+word path per (split, row) on (`ROW1_TUNING["rows_max"]`, off by default: the general path):
+
+    python -m benchmarks.tune_coded_attention --queries 5 --configs 1,2,1,8,1 1,2,1,8,1,rows_max=16 \
+        --providers int4 int2 int4-vprec --batches 1 8 16 --contexts 8192 32768 --out /tmp/v7.json
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ HEADS, D, SINK, WINDOW, PAGE, GROUP = 16, 128, 32, 256, 32, 32
 E = HEADS * D
 
 
+QMAX = 16  # new tokens the data holds (`--queries` up to this)
+
+
 def _data(bmax, tmax, dev, gen):
     """Random codes and scales (timing does not depend on the values; the scales keep scores in a sane range)."""
     hist = tmax - SINK - WINDOW
@@ -45,12 +55,12 @@ def _data(bmax, tmax, dev, gen):
     def codes(*shape):
         return torch.randint(0, 256, shape, generator=gen, device=dev, dtype=torch.uint8)
 
-    q = rn(bmax, HEADS, 1, D, scale=2.0)
+    q = rn(bmax, HEADS, QMAX, D, scale=2.0)
     d = dict(
         q=q,
-        sk=rn(bmax, HEADS, SINK, D) + 3 * q, sv=rn(bmax, HEADS, SINK, D),
-        wk=rn(bmax, HEADS, WINDOW + PAGE, D), wv=rn(bmax, HEADS, WINDOW + PAGE, D),
-        nk=rn(bmax, HEADS, 1, D), nv=rn(bmax, HEADS, 1, D),
+        sk=rn(bmax, HEADS, SINK, D) + 3 * q[:, :, :1], sv=rn(bmax, HEADS, SINK, D),
+        wk=rn(bmax, HEADS, WINDOW + PAGE + QMAX, D), wv=rn(bmax, HEADS, WINDOW + PAGE + QMAX, D),
+        nk=rn(bmax, HEADS, QMAX, D), nv=rn(bmax, HEADS, QMAX, D),
         kc4=codes(bmax, HEADS, hist, D // 2), kc2=codes(bmax, HEADS, hist, D // 4),
         ks=(torch.rand(bmax, HEADS, pages, D, generator=gen, device=dev) * 0.25 + 0.05).half(),
         kz=(torch.randn(bmax, HEADS, pages, D, generator=gen, device=dev) * 0.5 - 1.0).half(),
@@ -61,13 +71,12 @@ def _data(bmax, tmax, dev, gen):
     return d
 
 
-def _view(d, b, ctx, nbits, valid=None):
+def _view(d, b, ctx, nbits, valid=None, queries=1):
     from triton_ops.coded_attention import CellView
     from triton_ops.quant import naive
 
     n_hist = ctx - SINK - WINDOW
     n_hist -= n_hist % PAGE
-    w_len = ctx - SINK - n_hist
     if nbits:
         kc = d["kc4"] if nbits == 4 else d["kc2"]
         hk = naive.QuantizedKeys(
@@ -79,11 +88,14 @@ def _view(d, b, ctx, nbits, valid=None):
         )  # fmt: skip
     else:
         hk = hv = None
-    bound = torch.full((b, 1), SINK + n_hist, dtype=torch.int32, device=d["q"].device)
+    # query i reads the history up to `queries - 1 - i` positions before the last query's end, the window from there
+    back = torch.arange(queries - 1, -1, -1, dtype=torch.int32, device=d["q"].device)
+    bound = (SINK + n_hist - back).expand(b, queries).contiguous()
+    w0 = SINK + n_hist - (queries - 1)
     view = CellView(
-        new_key=d["nk"][:b], new_value=d["nv"][:b], length=ctx, history_end=bound, sink_key=d["sk"][:b],
-        sink_value=d["sv"][:b], history_start=SINK, history_key=hk, history_value=hv, window_start=SINK + n_hist,
-        window_key=d["wk"][:b, :, :w_len], window_value=d["wv"][:b, :, :w_len], key_valid=valid,
+        new_key=d["nk"][:b, :, :queries], new_value=d["nv"][:b, :, :queries], length=ctx, history_end=bound,
+        sink_key=d["sk"][:b], sink_value=d["sv"][:b], history_start=SINK, history_key=hk, history_value=hv,
+        window_start=w0, window_key=d["wk"][:b, :, : ctx - w0], window_value=d["wv"][:b, :, : ctx - w0], key_valid=valid,
     )  # fmt: skip
     return view, n_hist
 
@@ -110,20 +122,20 @@ def _graph_ms(fn):
     return _graph_bench(fn)[0]
 
 
-def check(d, tune, nbits, vprec):
+def check(d, tune, nbits, vprec, queries=1):
     """Max |kernel - reference| of out (and lse) at batch 2, 2K context, left padding; cold counts with V prec."""
     from triton_ops.coded_attention import reference_coded_attention
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     ctx = 2048
-    valid = torch.ones(2, ctx + 1, dtype=torch.bool, device=d["q"].device)
+    valid = torch.ones(2, ctx + queries, dtype=torch.bool, device=d["q"].device)
     valid[0, :3] = False
     valid[1, SINK + 100 : SINK + 400] = False
-    view, n_hist = _view(d, 2, ctx, nbits, valid)
+    view, n_hist = _view(d, 2, ctx, nbits, valid, queries)
     # a random sink (the timing data's sink leans on the query and would hide the history)
     view = dataclasses.replace(view, sink_key=d["wk"][:2, :, :SINK], sink_value=d["wv"][:2, :, :SINK])
     tau = 0.5 if vprec else None  # a mix of cold and hot tokens at these scores
-    q = d["q"][:2] * 0.5
+    q = d["q"][:2, :, :queries] * 0.5
     sk, sr = (torch.zeros(2, dtype=torch.int64, device=q.device) for _ in range(2))
     out, lse = _coded_attention_fwd(q, view, scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sk, tuning=tune)
     ref, rlse = reference_coded_attention(
@@ -159,9 +171,13 @@ def main(argv=None):
     p.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
     p.add_argument("--providers", nargs="+", default=["int4"])
     p.add_argument("--baseline", action="store_true", help="also time v2 (ROW1 off) and SDPA over BF16")
+    p.add_argument("--queries", type=int, default=1, help=f"new tokens per row (v7 verification blocks; <= {QMAX})")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: only the checks, under TRITON_INTERPRET=1 (bf16 -> fp32)")
     args = p.parse_args(argv)
+    if not 1 <= args.queries <= QMAX:
+        raise ValueError(f"`--queries` must be in [1, {QMAX}], got {args.queries}")
+    nq = args.queries
     from benchmarks.bench_coded_attention import vprec_pass_bytes
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
@@ -201,7 +217,7 @@ def main(argv=None):
             done.add(key)
             t1 = time.time()
             try:
-                chk = check(d, tune, nbits, vprec)
+                chk = check(d, tune, nbits, vprec, nq)
             except Exception as exc:  # a setting that does not compile is a result, not a crash
                 print(f"{name} {prov}: check failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 rows.append(dict(config=name, provider=prov, error=str(exc)[:300]))
@@ -211,11 +227,11 @@ def main(argv=None):
                 continue
             for ctx in args.contexts:
                 for b in args.batches:
-                    view, n_hist = _view(d, b, ctx, nbits)
+                    view, n_hist = _view(d, b, ctx, nbits, queries=nq)
                     per_tok = E * (nbits / 8 * 2 + 4 / PAGE + 4 / GROUP)
                     hist_bytes = n_hist * per_tok
                     tau = None
-                    row = dict(config=name, provider=prov, batch=b, context=ctx, **tune)
+                    row = dict(config=name, provider=prov, batch=b, context=ctx, queries=nq, **tune)
                     if vprec:
                         if (ctx, b) not in taus:
                             taus[(ctx, b)] = _tau_for_cold(d, view, n_hist)
@@ -223,8 +239,8 @@ def main(argv=None):
                         row.update(tau=tau, cold_fraction=cold)
                         hist_bytes -= n_hist * cold * E / 4
                         hist_bytes += vprec_pass_bytes(b, n_hist, tune)
-                    nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + 1) * 2 * E * 2)
-                    q = d["q"][:b]
+                    nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + nq) * 2 * E * 2)
+                    q = d["q"][:b, :, :nq]
 
                     def fn(q=q, v=view, t=tau, tn=tune):
                         return _coded_attention_fwd(q, v, scaling=D**-0.5, v_precision_tau=t, tuning=tn)
@@ -246,7 +262,7 @@ def main(argv=None):
                 ]
                 kk, vv = kk.contiguous(), vv.contiguous()
                 ms = _graph_ms(
-                    lambda q=d["q"][:b], kk=kk, vv=vv: F.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5)
+                    lambda q=d["q"][:b, :, :nq], kk=kk, vv=vv: F.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5)
                 )
                 rows.append(dict(config="sdpa-bf16", provider="sdpa-bf16", batch=b, context=ctx, us=ms * 1e3,
                                  tb_s=b * (ctx + 1) * 4 * E / ms / 1e9))  # fmt: skip
