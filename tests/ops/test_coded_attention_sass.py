@@ -115,3 +115,18 @@ def test_occupancy_variants_hold_more_programs_per_sm():
     assert cap["ops"].get("LDGSTS", 0) >= 4 and cap["per_element"] <= 1.12 * v4["per_element"], (cap, v4)
     half = report(fmt=4, pages=1, warps=1, extra={"WORDS": True, "SUB": 2})
     assert half["bar"] <= v4["bar"] // 2 and half["loop_local"] == 0 and half["per_element"] < 5.0, (half, v4)
+
+
+def test_verification_rows_run_the_decode_word_loop():
+    """v7 (`ROW1_TUNING["rows_max"]`): a verification block's history programs, one per (split, query row), run the
+    decode word loop itself (ROWX changes the prologue only): the same instructions per code element per row within
+    a few, nothing in local memory; the general path serves every row of its 16-row block per step (measured 16.2
+    instructions per INT4 element per step, 3.2 per row of a 5-row block; v7 4.37 per row)."""
+    from benchmarks.sass_coded_attention import report
+
+    one = report(fmt=4, pages=1, warps=2, extra={"WORDS": True})
+    rowx = report(fmt=4, pages=1, warps=2, extra={"WORDS": True, "ROWX": True}, rows=5)
+    assert rowx["stack"] == 0 and rowx["local_ins"] == 0, rowx
+    assert abs(rowx["loop"] - one["loop"]) <= 8 and rowx["per_element_row"] < 5.0, (rowx, one)
+    general = report(fmt=4, pages=1, warps=4, stages=3, extra={"ROW1": False, "WORDS": False}, rows=5)
+    assert general["per_element_row"] == general["per_element"] / 5, general
