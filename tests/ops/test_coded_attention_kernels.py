@@ -369,8 +369,11 @@ VERIFY_SETTINGS = {
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in VERIFY_CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("setting", list(VERIFY_SETTINGS))
+@pytest.mark.parametrize(
+    "setting, dtype",
+    [("v7", torch.float32), ("v7", torch.float16), ("v7-v4", torch.float32)],  # v4's loop: one dtype (CI's time)
+    ids=["v7-fp32", "v7-fp16", "v7-v4-fp32"],
+)
 def test_verification_blocks_take_the_word_path(case, dtype, setting, launches):
     """v7 (`ROW1_TUNING["rows_max"]`): a verification block of `G * Q` rows per KV head (MHA and GQA, INT4 / INT2,
     borrowed codes, padding holes, head dims 64 / 128 / 96, V precision) reads coded history on the one-row word
