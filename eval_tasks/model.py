@@ -25,6 +25,7 @@ at a time). Data-parallel runs (`accelerate launch -m lm_eval ...`) shard reques
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 from typing import Any
@@ -54,6 +55,14 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"model_args `{name}` must be a positive int, got {value!r}")
     return value
+
+
+def _close_process_group() -> None:
+    """Destroy the process group `accelerate` set up, before the interpreter exits: left to the C++ static destructors,
+    gloo's threads were sometimes still joinable at exit on a CPU run and one rank aborted after the evaluation had
+    finished ("terminate called without an active exception", exit -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @register_model("hf-loopcache")
@@ -111,6 +120,7 @@ class LoopCacheLM(HFLM):
             # needs the rank and world size too
             self._rank = accelerator.process_index
             self._world_size = accelerator.num_processes
+            atexit.register(_close_process_group)
 
     # ------------------------------------------------------------------------------------------------ set-up
     @staticmethod
