@@ -38,6 +38,7 @@ __all__ = [
     "linear",
     "rope_span",
     "row_groups",
+    "row_slice",
     "run_row_groups",
     "sandwich_layer",
     "stacked_linear",
@@ -475,10 +476,16 @@ class LoopForward:
         return out
 
 
-def check_prefill_rows(value: Any) -> int | None:
-    """`prefill_rows` as given: None, or a positive int; anything else raises naming the allowed values."""
+def check_prefill_rows(value: Any, labels: Any = None) -> int | None:
+    """`prefill_rows` as given: None, or a positive int; anything else raises naming the allowed values, and so does
+    a grouped forward with `labels` (a loss over the batch is computed in one forward)."""
     if value is None:
         return None
+    if labels is not None:
+        raise ValueError(
+            "`prefill_rows` runs a prefill in groups of rows; a loss over the batch (`labels`) is computed in one "
+            "forward: pass `prefill_rows=None`"
+        )
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = int(value.item())
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -487,6 +494,11 @@ def check_prefill_rows(value: Any) -> int | None:
             f"prefill), got {value!r}"
         )
     return value
+
+
+def row_slice(t: Any, start: int, end: int) -> Any:
+    """Rows `[start, end)` of a batched forward argument (a tensor of two or more dims); anything else as it is."""
+    return t[start:end] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
 
 
 def row_groups(prefill_rows: Any, cache: Any, batch: int, query_length: int) -> list[tuple[int, int]] | None:

@@ -47,6 +47,7 @@ from hf_loopcache.models._common import (
     linear,
     one_piece,
     row_groups,
+    row_slice,
     run_row_groups,
     sandwich_layer,
 )
@@ -377,7 +378,7 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
                 of the batch is padded, so that each row is computed as in the whole batch.
         """
         cache = cache_argument(past_key_values, cache)
-        if check_prefill_rows(prefill_rows) is not None:
+        if check_prefill_rows(prefill_rows, labels) is not None:
             grouped = self._row_grouped(
                 prefill_rows, cache, input_ids=input_ids, input_embeds=input_embeds, inputs_embeds=inputs_embeds,
                 input_states=input_states, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
@@ -496,11 +497,6 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
         batch draws from the RNG is drawn here, once, in the official order (the initial state, then the step
         sampler), and handed to each group: a zero state (`init_scale=0`, eval's default) as zeros of the group's
         rows, a random one as its rows of the batch's."""
-        if inputs["labels"] is not None:
-            raise ValueError(
-                "`prefill_rows` runs a prefill in groups of rows; a loss over the batch (`labels`) is computed in one "
-                "forward: pass `prefill_rows=None`"
-            )
         ids, embeds = inputs["input_ids"], inputs["input_embeds"]
         embeds = embeds if embeds is not None else inputs["inputs_embeds"]
         given = ids if ids is not None else embeds
@@ -532,15 +528,12 @@ class HuginnForCausalLM(LoopGenerationMixin, HuginnPreTrainedModel):
             self.config, inputs["output_attentions"], inputs["output_hidden_states"], inputs["return_dict"]
         )
 
-        def rows(t: Any, a: int, e: int) -> Any:
-            return t[a:e] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
-
         def run(a: int, e: int, part: Any) -> Any:
             group_states = zeros(e - a) if states is None else states[a:e]
             return self.forward(**{
-                **inputs, "input_ids": rows(ids, a, e), "input_embeds": rows(embeds, a, e), "inputs_embeds": None,
-                "input_states": group_states, "attention_mask": rows(mask, a, e),
-                "position_ids": rows(inputs["position_ids"], a, e), "num_steps": (no_grad, with_grad),
+                **inputs, "input_ids": row_slice(ids, a, e), "input_embeds": row_slice(embeds, a, e), "inputs_embeds": None,
+                "input_states": group_states, "attention_mask": row_slice(mask, a, e),
+                "position_ids": row_slice(inputs["position_ids"], a, e), "num_steps": (no_grad, with_grad),
                 "use_cache": inputs["use_cache"] if part is None else True, "cache": part, "return_dict": True,
                 "keep_mask": inputs["keep_mask"] or padded,
             })  # fmt: skip

@@ -40,6 +40,7 @@ from hf_loopcache.models._common import (
     linear,
     one_piece,
     row_groups,
+    row_slice,
     run_row_groups,
     sandwich_layer,
     stacked_linear,
@@ -411,10 +412,7 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
         flags = OutputFlags.resolve(self.config, output_attentions, output_hidden_states, return_dict)
         if labels is not None and use_cache is None and cache is None:
             use_cache = False  # a loss needs no new cache (a cache passed in is still used)
-        if check_prefill_rows(prefill_rows) is not None:
-            if labels is not None:
-                raise ValueError("`prefill_rows` runs a prefill in groups of rows; a loss over the batch (`labels`) "
-                                 "is computed in one forward: pass `prefill_rows=None`")
+        if check_prefill_rows(prefill_rows, labels) is not None:
             rows_in = input_ids if input_ids is not None else inputs_embeds
             b, q_len = rows_in.shape[:2] if rows_in is not None else (0, 0)
             loops = check_num_loops(self.config.total_ut_steps if num_loops is None else num_loops, "num_loops")
@@ -423,13 +421,10 @@ class OuroForCausalLM(LoopGenerationMixin, OuroPreTrainedModel):
             if groups is not None:
                 padded = attention_mask is not None and not bool(attention_mask.all())
 
-                def rows(t: Any, a: int, e: int) -> Any:
-                    return t[a:e] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
-
                 def run(a: int, e: int, part: Any) -> Any:
                     return self.forward(
-                        input_ids=rows(input_ids, a, e), attention_mask=rows(attention_mask, a, e),
-                        position_ids=rows(position_ids, a, e), inputs_embeds=rows(inputs_embeds, a, e),
+                        input_ids=row_slice(input_ids, a, e), attention_mask=row_slice(attention_mask, a, e),
+                        position_ids=row_slice(position_ids, a, e), inputs_embeds=row_slice(inputs_embeds, a, e),
                         use_cache=use_cache if part is None else True, logits_to_keep=logits_to_keep, num_loops=loops,
                         use_early_exit_gate=use_early_exit_gate, use_weighted_exit=use_weighted_exit,
                         exit_at_step=exit_at_step, exit_threshold=exit_threshold,
