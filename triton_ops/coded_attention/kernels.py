@@ -1161,6 +1161,157 @@ def _codes_history_row1p(
 
 
 @triton.jit
+def _mma_deq(b_c, b_s, b_z, FAST: tl.constexpr):
+    """v8: codes `b_c` (small non-negative ints, int16 with FAST) dequantized to the dot's operand `c * scale +
+    zero`. FAST (16-bit inputs): fp16, `1024 + c` read straight from the bits (`0x6400 | c`, no conversion
+    instruction), less 1024 (exact), then one fp16 multiply-add with the fp16 scale and zero (the reference in a
+    16-bit dtype rounds every decoded key / value to it the same way); else fp32 (exact codes, IEEE dots)."""
+    if FAST:
+        b_f = (b_c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return b_f * b_s + b_z
+    else:
+        return b_c.to(tl.float32) * b_s.to(tl.float32) + b_z.to(tl.float32)
+
+
+@triton.jit
+def _mma_vec(p, m, PAD: tl.constexpr):
+    """A key lane's scale or zero `[1, D / PB]` (0 past the head dim when the tile is padded)."""
+    if PAD:
+        return tl.load(p, mask=m, other=0.0)[None, :]
+    else:
+        return tl.load(p)[None, :]
+
+
+@triton.jit
+def _codes_history_mma(
+    p_qrow, b_nh, m_row, o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr,
+    hvz_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, hist_start, p_begin, p_end, qk_scale,
+    D: tl.constexpr, DH: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr,
+    BLOCK_R: tl.constexpr, USE_VALID: tl.constexpr, FAST: tl.constexpr,
+):
+    """v8 (session 15, `ROW1_TUNING["mma"]`): history pages `[p_begin, p_end)` of codes for a block of up to
+    `BLOCK_R` query rows (decode: 1 row, padded; verification blocks and GQA: `G * Q <= 16`) on tensor cores, the
+    codes dequantized in registers. Per page and key bit lane `j` (channels `PB * c + j` of key byte `c`):
+    `S += q_j @ (c_j * scale_j + zero_j)^T` with the lane query `q_j` [BR, D / PB] loaded once before the loop;
+    per value bit lane `j` (channels `4c + j`): `O_j += P @ (c_j * scale_g + zero_g)` with the codes read as
+    `[PAGE, groups, VGROUP / 4]` bytes, so a token's group scale / zero broadcasts over its group's bytes.
+    The softmax reference of a row moves only when a score exceeds it by more than 2**8 (`_codes_history_row1w`'s
+    lazy rescaling); `l` stays per thread until the end. FAST (16-bit inputs): fp16 operands (bf16 queries are
+    rounded to fp16), fp32 accumulation; else fp32 operands with IEEE dots. Writes the rows' partial `(o, lse)`."""
+    PB: tl.constexpr = 8 // KV_FMT  # channels per key byte
+    QMAX: tl.constexpr = 2**KV_FMT - 1
+    DK: tl.constexpr = D // PB
+    DV: tl.constexpr = D // 4
+    NG: tl.constexpr = D // VGROUP
+    VG4: tl.constexpr = VGROUP // 4
+    OP: tl.constexpr = tl.float16 if FAST else tl.float32
+    IEEE: tl.constexpr = not FAST
+    PAD: tl.constexpr = DH < D
+    o_t0 = tl.arange(0, PAGE)
+    o_ck = tl.arange(0, DK)
+    o_cv = tl.arange(0, DV)
+    o_g = tl.arange(0, NG)
+    o_c8 = tl.arange(0, VG4)
+    m_kc = o_ck < DH // PB
+    m_kb = m_kc[None, :]
+    m_gd = o_g < DH // VGROUP
+    m_gv, m_gs = m_gd[None, :, None], m_gd[None, :]
+    m_q = _cmask(m_row[:, None], m_kb, PAD)
+    b_q0 = tl.load(p_qrow + (o_ck * PB)[None, :], mask=m_q, other=0.0).to(OP)  # [BR, DK] lane 0
+    b_q1 = tl.load(p_qrow + (o_ck * PB + 1)[None, :], mask=m_q, other=0.0).to(OP)
+    if PB == 4:
+        b_q2 = tl.load(p_qrow + (o_ck * PB + 2)[None, :], mask=m_q, other=0.0).to(OP)
+        b_q3 = tl.load(p_qrow + (o_ck * PB + 3)[None, :], mask=m_q, other=0.0).to(OP)
+    p_k = hk_ptr + o_ck[None, :]
+    p_ks = hks_ptr + o_ck * PB
+    p_kz = hkz_ptr + o_ck * PB
+    o_gc = (o_g[:, None] * VG4 + o_c8[None, :])[None, :, :]  # [1, NG, VG4] value byte of the token
+    b_nhr = tl.where(m_row, b_nh, 0)
+    limit = tl.minimum(tl.max(b_nhr, axis=0), p_end * PAGE)  # history tokens any row reads
+    b_mr = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # softmax reference per row (log2 units)
+    b_lv = tl.zeros([BLOCK_R, PAGE], dtype=tl.float32)
+    b_acc0 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)  # value lane j: channel 4c + j
+    b_acc1 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+    for i_p in range(p_begin, p_end):
+        o_t = i_p * PAGE + o_t0  # [T] history index
+        m_t = o_t < limit
+        m_vis = m_row[:, None] & (o_t[None, :] < b_nhr[:, None])  # [BR, T]
+        if USE_VALID:
+            b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
+            m_vis = m_vis & b_valid[None, :]
+        b_pk = tl.load(p_k + o_t[:, None] * stride_hkt, mask=_cmask(m_t[:, None], m_kb, PAD), other=0)  # [T, DK]
+        if FAST:
+            b_pk = b_pk.to(tl.int16)
+        else:
+            b_pk = b_pk.to(tl.int32)
+        p_ksp = p_ks + i_p * stride_hksp
+        p_kzp = p_kz + i_p * stride_hksp
+        b_k = _mma_deq(b_pk & QMAX, _mma_vec(p_ksp, m_kc, PAD),
+                       _mma_vec(p_kzp, m_kc, PAD), FAST)  # fmt: skip
+        b_s = _dot(b_q0, tl.trans(b_k), IEEE)
+        b_k = _mma_deq((b_pk >> KV_FMT) & QMAX, _mma_vec(p_ksp + 1, m_kc, PAD),
+                       _mma_vec(p_kzp + 1, m_kc, PAD), FAST)  # fmt: skip
+        b_s += _dot(b_q1, tl.trans(b_k), IEEE)
+        if PB == 4:
+            b_k = _mma_deq((b_pk >> 4) & QMAX, _mma_vec(p_ksp + 2, m_kc, PAD),
+                           _mma_vec(p_kzp + 2, m_kc, PAD), FAST)  # fmt: skip
+            b_s += _dot(b_q2, tl.trans(b_k), IEEE)
+            b_k = _mma_deq((b_pk >> 6) & QMAX, _mma_vec(p_ksp + 3, m_kc, PAD),
+                           _mma_vec(p_kzp + 3, m_kc, PAD), FAST)  # fmt: skip
+            b_s += _dot(b_q3, tl.trans(b_k), IEEE)
+        b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, T] log2 units
+        b_mx = tl.max(b_s, axis=1)
+        if tl.max((b_mx > b_mr + 8.0).to(tl.int32), axis=0) > 0:  # move the references (rare after the first pages)
+            b_mn = tl.maximum(b_mr, b_mx)
+            b_alpha = tl.where(b_mn == float("-inf"), 1.0, tl.exp2(b_mr - b_mn))[:, None]
+            b_lv *= b_alpha
+            b_acc0 *= b_alpha
+            b_acc1 *= b_alpha
+            b_acc2 *= b_alpha
+            b_acc3 *= b_alpha
+            b_mr = b_mn
+        b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr)[:, None])  # 0 where not read
+        b_lv += b_p
+        b_p = b_p.to(OP)
+        o_v3 = o_t[:, None, None] * stride_hvt + o_gc
+        m_v3 = _cmask(m_t[:, None, None], m_gv, PAD)
+        b_hi = tl.load(hv_ptr + o_v3, mask=m_v3, other=0)  # [T, NG, VG4] bytes
+        o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
+        b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)[:, :, None]  # [T, NG, 1]
+        b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)[:, :, None]
+        if FAST:
+            b_hi = b_hi.to(tl.int16)
+        else:
+            b_hi = b_hi.to(tl.int32)
+        if KV_FMT == 4:
+            b_lo = tl.load(hvl_ptr + o_v3, mask=m_v3, other=0)
+            if FAST:
+                b_lo = b_lo.to(tl.int16)
+            else:
+                b_lo = b_lo.to(tl.int32)
+            b_c0 = ((b_hi << 2) & 12) | (b_lo & 3)  # 4 hi + lo of lane j: hi's field next to lo's
+            b_c1 = (b_hi & 12) | ((b_lo >> 2) & 3)
+            b_c2 = ((b_hi >> 2) & 12) | ((b_lo >> 4) & 3)
+            b_c3 = ((b_hi >> 4) & 12) | ((b_lo >> 6) & 3)
+        else:
+            b_c0 = b_hi & 3
+            b_c1 = (b_hi >> 2) & 3
+            b_c2 = (b_hi >> 4) & 3
+            b_c3 = (b_hi >> 6) & 3
+        b_acc0 += _dot(b_p, tl.reshape(_mma_deq(b_c0, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
+        b_acc1 += _dot(b_p, tl.reshape(_mma_deq(b_c1, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
+        b_acc2 += _dot(b_p, tl.reshape(_mma_deq(b_c2, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
+        b_acc3 += _dot(b_p, tl.reshape(_mma_deq(b_c3, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
+    b_l = tl.sum(b_lv, axis=1)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc0, o_cv * 4, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
+
+
+@triton.jit
 def _dmask(m, o_d, DH: tl.constexpr, D: tl.constexpr):
     """A load mask `m` (`[N, 1]`) with the head-dim mask when the tile is padded (`DH < D`: a head dim that is no
     power of two, e.g. Huginn-0125's 96, read in tiles of 128); `m` itself otherwise (no per-column mask, which
@@ -1333,6 +1484,7 @@ def _coded_attention_fwd_kernel(
     SUB: tl.constexpr = 1,
     SUB_STAGES: tl.constexpr = 0,
     ROWX: tl.constexpr = False,
+    MMA: tl.constexpr = False,
 ):
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
@@ -1491,6 +1643,16 @@ def _coded_attention_fwd_kernel(
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
                     D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, DH,
                 )  # fmt: skip
+        elif MMA:  # v8: up to 16 rows on tensor cores, codes dequantized in registers
+            _codes_history_mma(
+                q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh, m_row,
+                o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
+                hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
+                hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, hist_start, p_begin, p_end, qk_scale,
+                D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE,
+            )  # fmt: skip
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]

@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16, "rows_max": 0,
+    "sub_auto_pages": 16, "rows_max": 0, "mma": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -61,7 +61,12 @@ splits of at most this many pages (0: never) take `sub` 2 at one warp when `page
 `sub_stages`: 0 (the next step's tiles prefetched in registers), or 2..4: that path's steps load their own tiles in a
 `tl.range(num_stages=sub_stages)` loop (asynchronous copies through shared memory; `sub` 1 included); `maxnreg`:
 ptxas's register cap per thread (None: Triton's default), e.g. 168 for 6 two-warp programs per SM instead of 4
-(measured within 5% of v4 at batch >= 8)."""
+(measured within 5% of v4 at batch >= 8).
+
+v8 (session 15, off by default): `mma`: coded history of 1..16 query rows per KV head (decode, GQA, verification
+blocks) without V precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over
+codes dequantized to fp16 in registers; `num_warps` / `num_stages` / `programs_per_sm` of this dict); it replaces
+v4 / v7 and the general path for those calls (not yet timed: `benchmarks/notes_coded_attention.md`, v8)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -156,9 +161,17 @@ def _coded_attention_fwd(
         raise ValueError(f"`tuning['rows_max']` must be an int in [0, 16] (0: off), got {rows_max!r}")
     # v7: a verification block of 1 < rows <= `rows_max` query rows per KV head runs the word path once per row
     # (`rowx`: the history programs are (split, row) pairs; V precision in v4's loop); the general path otherwise
+    mma = tune.get("mma", False)
+    if mma not in (0, 1) or not isinstance(mma, (bool, int)):
+        raise ValueError(f"`tuning['mma']` must be a bool (or 0 / 1), got {mma!r}")
+    # v8: 1..16 rows per KV head over coded history without V precision, on tensor cores (value groups and the
+    # groups per padded head dim powers of two: the value bytes are read as a [page, groups, group / 4] tile)
+    mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
+    mma = mma and dp % vgroup == 0 and not (dp // vgroup) & (dp // vgroup - 1) and bool(tune["enabled"])
+    rows_max = 0 if mma else rows_max
     rowx = 1 < rows <= rows_max and bool(tune.get("words"))
     row1 = bool(fmt) and (rows == 1 or rowx) and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
-    row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"])
+    row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"]) and not mma
     # v4: codes read as 32-bit words (value groups of 16k channels; every code tensor 4-byte aligned in all dims)
     words = row1 and bool(tune.get("words")) and vgroup % 16 == 0 and not (vgroup // 16) & (vgroup // 16 - 1)
     if words:
@@ -189,7 +202,7 @@ def _coded_attention_fwd(
         ns = min(num_splits, n_pages)
     else:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
-        per_sm = tune["programs_per_sm"] if row1 else (4 if fmt else dense["programs_per_sm"])
+        per_sm = tune["programs_per_sm"] if row1 or mma else (4 if fmt else dense["programs_per_sm"])
         # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
         # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
@@ -310,9 +323,10 @@ def _coded_attention_fwd(
             SUB=sub if v6 else 1,
             SUB_STAGES=sub_stages if v6 else 0,
             ROWX=rowx,
+            MMA=mma,
         )
 
-    if row1:
+    if row1 or mma:
         launch = {"num_warps": num_warps, "num_stages": tune["num_stages"]}
         if maxnreg is not None:
             launch["maxnreg"] = maxnreg  # v6: more programs per SM by registers (`ROW1_TUNING`)
