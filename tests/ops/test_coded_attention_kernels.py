@@ -433,6 +433,70 @@ def test_rows_max_is_validated():
             _run_kernel(data, tuning={"rows_max": bad})
 
 
+MMA_CASES = [
+    # decode (one row per KV head): MHA, batch rows with left padding and a hole in the history, several splits
+    Case(hist=100, Hq=2, Hkv=2, D=64, vprec=False, splits=3, pad=True, B=2, lean=0.3),
+    Case(hist=70, Hq=4, Hkv=1, D=64, fmt=2, vprec=False, splits=2, lean=0.3),  # GQA 4, INT2
+    # verification blocks: per-query bounds across pages, a share cell's borrowed codes, head dims 128 / 96
+    Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, spread=40, splits=2, B=2, pad=True, strided=True, lean=0.3),
+    Case(hist=70, Q=2, Hq=4, Hkv=2, D=128, vprec=False, spread=33, lean=0.3),
+    Case(hist=100, Q=3, Hq=2, Hkv=2, D=96, vprec=False, spread=40, splits=2, guard=True, lean=0.3),
+    Case(hist=64, Q=4, Hq=4, Hkv=1, D=96, fmt=2, vprec=False, spread=45, splits=2, pad=True, lean=0.3),  # 16 rows
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in MMA_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mma_history_matches_reference(case, dtype, launches):
+    """v8 (`ROW1_TUNING["mma"]`): 1..16 query rows per KV head over INT4 / INT2 codes (decode, GQA, verification
+    blocks with per-query bounds, padding holes, borrowed codes, head dims 64 / 128 / 96) read on the tensor-core
+    loop (codes dequantized in registers: fp16 operands for 16-bit inputs, fp32 IEEE dots for fp32) match the
+    reference on the same codes; the launch is checked (`MMA` on, the one-row paths off)."""
+    _check(case, dtype, tuning={"mma": True})
+    assert launches and all(x[4] and not x[0] and not x[1] for x in launches), launches
+
+
+@pytest.mark.parametrize(
+    "case, tune",
+    [
+        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, spread=40, splits=2, lean=0.3), {"mma": True}),  # V precision
+        (Case(hist=40, Q=9, Hq=4, Hkv=2, D=64, vprec=False, splits=2), {"mma": True}),  # 18 rows > 16
+        (Case(hist=64, Q=2, Hq=2, Hkv=2, D=32, fmt=0, splits=2), {"mma": True}),  # dense history
+        (Case(hist=64, Q=2, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"mma": True, "enabled": False}),
+    ],
+    ids=["vprec", "rows-over-16", "dense", "disabled"],
+)
+def test_mma_history_leaves_other_calls_alone(case, tune, launches):
+    """Where v8 does not apply (V precision, more than 16 rows per KV head, a dense history, the coded fast paths
+    disabled) the call takes the path it takes without `mma`, and matches the reference."""
+    _check(case, torch.float32, tuning=tune)
+    assert launches and not any(x[4] for x in launches), launches
+
+
+def test_mma_rows_read_their_own_bounds(launches):
+    """Bounds that fall, rise and differ between batch rows (a query of row 0 reads no history page at all): the
+    tensor-core loop masks each row of its block by its own query's bound."""
+    case = Case(hist=128, Q=4, Hq=2, Hkv=2, D=64, vprec=False, spread=128, splits=3, B=2, S=4, lean=0.3)
+    data = _build(case, torch.float32)
+    lo, hi = data["w_start"], case.S + case.hist
+    data["bounds"] = torch.tensor([[hi, lo, lo + 40, hi - 1], [hi, hi - 70, lo + 3, lo + 33]], dtype=torch.int32)
+    ref, ref_lse = _reference(data)
+    out, lse = _run_kernel(data, tuning={"mma": True})
+    assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
+    assert [x[4] for x in launches] == [True], launches
+
+
+def test_mma_is_validated():
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    assert ROW1_TUNING["mma"] is False
+    data = _build(Case(hist=40, Q=2, Hq=2, Hkv=2, vprec=False), torch.float32)
+    for bad in (2, -1, 1.0, "1", None):
+        with pytest.raises(ValueError, match=r"tuning\['mma'\]"):
+            _run_kernel(data, tuning={"mma": bad})
+
+
 DENSE_CASES = [c for c in CPU_CASES if not c.fmt]
 
 

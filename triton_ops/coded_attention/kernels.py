@@ -1265,7 +1265,7 @@ def _codes_history_mma(
         b_mx = tl.max(b_s, axis=1)
         if tl.max((b_mx > b_mr + 8.0).to(tl.int32), axis=0) > 0:  # move the references (rare after the first pages)
             b_mn = tl.maximum(b_mr, b_mx)
-            b_alpha = tl.where(b_mn == float("-inf"), 1.0, tl.exp2(b_mr - b_mn))[:, None]
+            b_alpha = tl.exp2(b_mr - tl.where(b_mn == float("-inf"), 0.0, b_mn))[:, None]  # 0 for rows yet unread
             b_lv *= b_alpha
             b_acc0 *= b_alpha
             b_acc1 *= b_alpha
