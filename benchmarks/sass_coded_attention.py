@@ -9,6 +9,7 @@ element (`NP * 32` tokens x 128 channels per step).
     python -m benchmarks.sass_coded_attention --fmt 4 --pages 2 --warps 2 [--vprec [--vpipe 1 [--scores 1] [--unroll 1]]]
         [--sub 2] [--maxnreg 168] [--sass out.sass]
     python -m benchmarks.sass_coded_attention --rows 5 [--general --pages 1 --warps 4 --stages 3]  # v7 blocks
+    python -m benchmarks.sass_coded_attention --mma --warps 2 [--rows 5]  # v8: the tensor-core loop (16-row block)
 
 `bar` / `shfl`: BAR / SHFL instructions per step; `programs_per_sm`: resident programs per SM by registers.
 
@@ -38,7 +39,7 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
     consts = dict(
         D=128, DH=128, PAGE=32, VGROUP=32, KV_FMT=fmt, BLOCK_R=16, BLOCK_T=32, BLOCK_PM=64, USE_VALID=False,
         USE_VPREC=vprec, COUNT=False, READ_PREFIX=False, PAGE_MAX_ONLY=False, IEEE=dtype == "fp32", ROW1=True,
-        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False, SUB=1, SUB_STAGES=0, ROWX=False,
+        NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False, SUB=1, SUB_STAGES=0, ROWX=False, MMA=False,
     )  # fmt: skip
     consts.update(extra or {})
     ptr_types = dict(
@@ -180,6 +181,7 @@ def report(
             skip.update(a for a, _, _ in loop if addr < a < int(m.group(1), 16))
     loop = [x for x in loop if x[0] not in skip]
     ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+    mma_ops = sum(n for op, n in ops.items() if op in ("HMMA", "HGMMA"))
     elements = 2 * pages * 32 * 128 // (extra or {}).get("SUB", 1)  # key and value code elements of one step
     res = sass_of(cubin, "--dump-resource-usage")
     n_regs = int(re.search(r"REG:(\d+)", res).group(1))
@@ -195,7 +197,8 @@ def report(
         smem=meta.shared, programs_per_sm=programs_per_sm(n_regs, warps, meta.shared),
         ldg_positions=(ldg[0] if ldg else None, ldg[-1] if ldg else None),
         ldg_ops=[op for _, op, _ in loop if op.startswith("LDG")],
-        ldg_use_distance=[d for _, _, d in load_use_distances(loop)], ops=dict(ops.most_common(16)),
+        ldg_use_distance=[d for _, _, d in load_use_distances(loop)], ops=dict(ops.most_common(16)), mma=mma_ops,
+        lds=ops.get("LDS", 0) + ops.get("LDSM", 0), sts=ops.get("STS", 0),
     )
 
 
@@ -226,14 +229,19 @@ def main(argv=None):
         help="the general path (ROW1 off, byte reads, row blocks of 16, tl.dot; one page per step; the launcher uses "
         "Triton's defaults, 4 warps and 3 stages: pass --warps 4 --stages 3)",
     )  # fmt: skip
+    p.add_argument(
+        "--mma", action="store_true",
+        help="v8: the tensor-core loop (`ROW1_TUNING['mma']`: ROW1 off, MMA on, a block of 16 rows, one page per step; "
+        "`per_element_row` divides by --rows, the rows a block serves)",
+    )  # fmt: skip
     p.add_argument("--sass", default=None, help="write the whole SASS here")
     a = p.parse_args(argv)
     extra = {"WORDS": bool(a.words), "VPIPE": bool(a.vpipe), "SCORES": bool(a.scores), "READ_PREFIX": bool(a.scores)}
     extra["VUNROLL"] = bool(a.unroll)
     extra["SUB"] = a.sub
     extra["SUB_STAGES"] = a.sub_stages
-    if a.general:
-        extra.update(ROW1=False, WORDS=False, SUB=1)
+    if a.general or a.mma:
+        extra.update(ROW1=False, WORDS=False, SUB=1, MMA=a.mma)
         a.pages = 1
     elif a.rows > 1:
         extra["ROWX"] = True

@@ -1161,25 +1161,66 @@ def _codes_history_row1p(
 
 
 @triton.jit
-def _mma_deq(b_c, b_s, b_z, FAST: tl.constexpr):
-    """v8: codes `b_c` (small non-negative ints, int16 with FAST) dequantized to the dot's operand `c * scale +
-    zero`. FAST (16-bit inputs): fp16, `1024 + c` read straight from the bits (`0x6400 | c`, no conversion
-    instruction), less 1024 (exact), then one fp16 multiply-add with the fp16 scale and zero (the reference in a
-    16-bit dtype rounds every decoded key / value to it the same way); else fp32 (exact codes, IEEE dots)."""
+def _mma_pairs(w, POS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+    """v8: the NB-bit fields at bits POS and POS + 16 of int32 words `w` as a trailing pair `[..., 2]` (OP dtype).
+    FAST: one LOP3 puts both fields into the mantissas of two fp16 `1024` (`0x6400 | field` in each half), so the
+    pair is the word's two halves (`1024 + field`; `_mma_deq` takes the 1024 off); else the fields as fp32."""
+    M2: tl.constexpr = ((1 << NB) - 1) * 0x00010001
     if FAST:
-        b_f = (b_c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        return b_f * b_s + b_z
+        x = ((w >> POS) & M2) | 0x64006400
+        return tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
     else:
-        return b_c.to(tl.float32) * b_s.to(tl.float32) + b_z.to(tl.float32)
+        x = (w >> POS) & M2
+        return tl.join(x & 0xFFFF, x >> 16).to(tl.float32)
+
+
+@triton.jit
+def _mma_deq(b_f, b_s, b_z, FAST: tl.constexpr):
+    """v8: the dot operand `code * scale + zero` of `_mma_pairs`' fields `b_f`. FAST (16-bit inputs): fp16,
+    `(1024 + c) - 1024` (exact) then one fp16 multiply-add with the fp16 scale and zero (the reference in a 16-bit
+    dtype rounds every decoded key / value to it the same way); else fp32 (exact codes; IEEE dots)."""
+    if FAST:
+        return (b_f - 1024.0) * b_s + b_z
+    else:
+        return b_f * b_s.to(tl.float32) + b_z.to(tl.float32)
 
 
 @triton.jit
 def _mma_vec(p, m, PAD: tl.constexpr):
-    """A key lane's scale or zero `[1, D / PB]` (0 past the head dim when the tile is padded)."""
+    """A `[1, K]` row of key scales / zeros or query channels (0 past the head dim when the tile is padded)."""
     if PAD:
         return tl.load(p, mask=m, other=0.0)[None, :]
     else:
         return tl.load(p)[None, :]
+
+
+@triton.jit
+def _mma_keys(b_kw, p_ks, p_kz, o_dim, m_dim, I: tl.constexpr, NB: tl.constexpr, PAD: tl.constexpr,
+              FAST: tl.constexpr):  # fmt: skip
+    """Dot operand `[PAGE, K]` of key dot `I` of a page (`_codes_history_mma`): fields `2I`, `2I + 1` of each half
+    of each key word, column `(w, h, e)` = channel `o_dim` (`LANES * w + LANES / 2 * h + 2I + e`)."""
+    T: tl.constexpr = b_kw.shape[0]
+    K: tl.constexpr = 4 * b_kw.shape[1]
+    b_f = tl.reshape(tl.join(_mma_pairs(b_kw, NB * 2 * I, NB, FAST), _mma_pairs(b_kw, NB * (2 * I + 1), NB, FAST)), [T, K])
+    return _mma_deq(b_f, _mma_vec(p_ks + o_dim, m_dim, PAD), _mma_vec(p_kz + o_dim, m_dim, PAD), FAST)
+
+
+@triton.jit
+def _mma_values(w_a, w_c, b_vs, b_vz, I: tl.constexpr, KV_FMT: tl.constexpr, FAST: tl.constexpr):
+    """Dot operand `[PAGE, K]` of value dot `I` of a page: column `(g, u, h, e)` = channel `16 (g VW + u) + 8h + 2I
+    + e`; INT4: the 4-bit codes `4 hi + lo` of `_value_words` (`w_a` even channels, `w_c` odd), INT2: the plane."""
+    T: tl.constexpr = w_a.shape[0]
+    K: tl.constexpr = 4 * w_a.shape[1] * w_a.shape[2]
+    if KV_FMT == 4:
+        b_f = tl.join(_mma_pairs(w_a, 4 * I, 4, FAST), _mma_pairs(w_c, 4 * I, 4, FAST))
+    else:
+        b_f = tl.join(_mma_pairs(w_a, 4 * I, 2, FAST), _mma_pairs(w_a, 4 * I + 2, 2, FAST))
+    return tl.reshape(_mma_deq(b_f, b_vs[:, :, None, None, None], b_vz[:, :, None, None, None], FAST), [T, K])
+
+
+@triton.jit
+def _mma_qlane(p_qrow, o_dim, m_q, OP: tl.constexpr):
+    return tl.load(p_qrow + o_dim[None, :], mask=m_q, other=0.0).to(OP)
 
 
 @triton.jit
@@ -1191,49 +1232,52 @@ def _codes_history_mma(
 ):
     """v8 (session 15, `ROW1_TUNING["mma"]`): history pages `[p_begin, p_end)` of codes for a block of up to
     `BLOCK_R` query rows (decode: 1 row, padded; verification blocks and GQA: `G * Q <= 16`) on tensor cores, the
-    codes dequantized in registers. Per page and key bit lane `j` (channels `PB * c + j` of key byte `c`):
-    `S += q_j @ (c_j * scale_j + zero_j)^T` with the lane query `q_j` [BR, D / PB] loaded once before the loop;
-    per value bit lane `j` (channels `4c + j`): `O_j += P @ (c_j * scale_g + zero_g)` with the codes read as
-    `[PAGE, groups, VGROUP / 4]` bytes, so a token's group scale / zero broadcasts over its group's bytes.
-    The softmax reference of a row moves only when a score exceeds it by more than 2**8 (`_codes_history_row1w`'s
-    lazy rescaling); `l` stays per thread until the end. FAST (16-bit inputs): fp16 operands (bf16 queries are
-    rounded to fp16), fp32 accumulation; else fp32 operands with IEEE dots. Writes the rows' partial `(o, lse)`."""
-    PB: tl.constexpr = 8 // KV_FMT  # channels per key byte
-    QMAX: tl.constexpr = 2**KV_FMT - 1
-    DK: tl.constexpr = D // PB
-    DV: tl.constexpr = D // 4
+    codes read as 32-bit words and dequantized in registers. The dot over channels does not care about their order,
+    so each dot takes whichever channels a word's fields give in place: key dot `I` (INT4: 2 per page, INT2: 4)
+    reads fields `2I`, `2I + 1` of both 16-bit halves of every key word (`S += q_I @ Kdeq_I^T`, the lane query `q_I`
+    [BR, K] gathered once before the loop); value dot `I` (4 per page) reads fields `I` of INT4's merged code words
+    (even and odd channels, `_value_words`) or fields `2I`, `2I + 1` of INT2's plane (`O_I += P @ Vdeq_I`), with
+    a token's group scale / zero broadcast over its group's words. FAST (16-bit inputs): a LOP3 per two fields
+    builds two fp16 `1024 + code` at once (`_mma_pairs`), then fp16 `(f - 1024) * scale + zero`; fp16 operands (bf16
+    queries are rounded to fp16), fp32 accumulation; else fp32 operands with IEEE dots. The softmax reference of a
+    row moves only when a score exceeds it by more than 2**8 (lazy, as `_codes_history_row1w`); `l` stays per
+    thread until the end. Pointers to codes are int32 pointers at (b, h_kv), their strides in words."""
+    LANES: tl.constexpr = 32 // KV_FMT  # key channels per word
+    DW: tl.constexpr = D // LANES
+    NKD: tl.constexpr = LANES // 4  # key dots per page (each K = 4 DW columns)
+    KK: tl.constexpr = 4 * DW
     NG: tl.constexpr = D // VGROUP
-    VG4: tl.constexpr = VGROUP // 4
+    VW: tl.constexpr = VGROUP // 16  # plane words per value group
+    KV: tl.constexpr = D // 4  # columns of a value dot
     OP: tl.constexpr = tl.float16 if FAST else tl.float32
     IEEE: tl.constexpr = not FAST
     PAD: tl.constexpr = DH < D
     o_t0 = tl.arange(0, PAGE)
-    o_ck = tl.arange(0, DK)
-    o_cv = tl.arange(0, DV)
+    o_w = tl.arange(0, DW)
+    o_m = tl.arange(0, KK)  # key column (w, h, e)
+    o_dk = LANES * (o_m // 4) + (LANES // 2) * ((o_m // 2) % 2) + o_m % 2  # its channel, less 2I
+    o_mv = tl.arange(0, KV)  # value column (g, u, h, e)
+    o_dv = 16 * (o_mv // 4) + 8 * ((o_mv // 2) % 2) + o_mv % 2  # its channel, less 2I
     o_g = tl.arange(0, NG)
-    o_c8 = tl.arange(0, VG4)
-    m_kc = o_ck < DH // PB
-    m_kb = m_kc[None, :]
+    o_gu = (o_g[:, None] * VW + tl.arange(0, VW)[None, :])[None, :, :]  # [1, NG, VW] plane word
+    m_wd = (o_w < DH // LANES)[None, :]
     m_gd = o_g < DH // VGROUP
     m_gv, m_gs = m_gd[None, :, None], m_gd[None, :]
-    m_q = _cmask(m_row[:, None], m_kb, PAD)
-    b_q0 = tl.load(p_qrow + (o_ck * PB)[None, :], mask=m_q, other=0.0).to(OP)  # [BR, DK] lane 0
-    b_q1 = tl.load(p_qrow + (o_ck * PB + 1)[None, :], mask=m_q, other=0.0).to(OP)
-    if PB == 4:
-        b_q2 = tl.load(p_qrow + (o_ck * PB + 2)[None, :], mask=m_q, other=0.0).to(OP)
-        b_q3 = tl.load(p_qrow + (o_ck * PB + 3)[None, :], mask=m_q, other=0.0).to(OP)
-    p_k = hk_ptr + o_ck[None, :]
-    p_ks = hks_ptr + o_ck * PB
-    p_kz = hkz_ptr + o_ck * PB
-    o_gc = (o_g[:, None] * VG4 + o_c8[None, :])[None, :, :]  # [1, NG, VG4] value byte of the token
+    m_q = _cmask(m_row[:, None], (o_dk < DH)[None, :], PAD)
+    b_q0 = _mma_qlane(p_qrow, o_dk, m_q, OP)  # [BR, KK] the channels of key dot 0
+    b_q1 = _mma_qlane(p_qrow, o_dk + 2, m_q, OP)
+    if NKD == 4:
+        b_q2 = _mma_qlane(p_qrow, o_dk + 4, m_q, OP)
+        b_q3 = _mma_qlane(p_qrow, o_dk + 6, m_q, OP)
+    m_dk = o_dk < DH
     b_nhr = tl.where(m_row, b_nh, 0)
     limit = tl.minimum(tl.max(b_nhr, axis=0), p_end * PAGE)  # history tokens any row reads
     b_mr = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # softmax reference per row (log2 units)
     b_lv = tl.zeros([BLOCK_R, PAGE], dtype=tl.float32)
-    b_acc0 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)  # value lane j: channel 4c + j
-    b_acc1 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
-    b_acc2 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
-    b_acc3 = tl.zeros([BLOCK_R, DV], dtype=tl.float32)
+    b_acc0 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)  # value dot I: channels o_dv + 2I
+    b_acc1 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
     for i_p in range(p_begin, p_end):
         o_t = i_p * PAGE + o_t0  # [T] history index
         m_t = o_t < limit
@@ -1241,26 +1285,14 @@ def _codes_history_mma(
         if USE_VALID:
             b_valid = tl.load(p_valid + (hist_start + o_t) * stride_validt, mask=m_t, other=0) != 0
             m_vis = m_vis & b_valid[None, :]
-        b_pk = tl.load(p_k + o_t[:, None] * stride_hkt, mask=_cmask(m_t[:, None], m_kb, PAD), other=0)  # [T, DK]
-        if FAST:
-            b_pk = b_pk.to(tl.int16)
-        else:
-            b_pk = b_pk.to(tl.int32)
-        p_ksp = p_ks + i_p * stride_hksp
-        p_kzp = p_kz + i_p * stride_hksp
-        b_k = _mma_deq(b_pk & QMAX, _mma_vec(p_ksp, m_kc, PAD),
-                       _mma_vec(p_kzp, m_kc, PAD), FAST)  # fmt: skip
-        b_s = _dot(b_q0, tl.trans(b_k), IEEE)
-        b_k = _mma_deq((b_pk >> KV_FMT) & QMAX, _mma_vec(p_ksp + 1, m_kc, PAD),
-                       _mma_vec(p_kzp + 1, m_kc, PAD), FAST)  # fmt: skip
-        b_s += _dot(b_q1, tl.trans(b_k), IEEE)
-        if PB == 4:
-            b_k = _mma_deq((b_pk >> 4) & QMAX, _mma_vec(p_ksp + 2, m_kc, PAD),
-                           _mma_vec(p_kzp + 2, m_kc, PAD), FAST)  # fmt: skip
-            b_s += _dot(b_q2, tl.trans(b_k), IEEE)
-            b_k = _mma_deq((b_pk >> 6) & QMAX, _mma_vec(p_ksp + 3, m_kc, PAD),
-                           _mma_vec(p_kzp + 3, m_kc, PAD), FAST)  # fmt: skip
-            b_s += _dot(b_q3, tl.trans(b_k), IEEE)
+        b_kw = tl.load(hk_ptr + o_t[:, None] * stride_hkt + o_w[None, :], mask=_cmask(m_t[:, None], m_wd, PAD), other=0)
+        p_ksp = hks_ptr + i_p * stride_hksp
+        p_kzp = hkz_ptr + i_p * stride_hksp
+        b_s = _dot(b_q0, tl.trans(_mma_keys(b_kw, p_ksp, p_kzp, o_dk, m_dk, 0, KV_FMT, PAD, FAST)), IEEE)
+        b_s += _dot(b_q1, tl.trans(_mma_keys(b_kw, p_ksp + 2, p_kzp + 2, o_dk, m_dk, 1, KV_FMT, PAD, FAST)), IEEE)
+        if NKD == 4:
+            b_s += _dot(b_q2, tl.trans(_mma_keys(b_kw, p_ksp + 4, p_kzp + 4, o_dk, m_dk, 2, KV_FMT, PAD, FAST)), IEEE)
+            b_s += _dot(b_q3, tl.trans(_mma_keys(b_kw, p_ksp + 6, p_kzp + 6, o_dk, m_dk, 3, KV_FMT, PAD, FAST)), IEEE)
         b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, T] log2 units
         b_mx = tl.max(b_s, axis=1)
         if tl.max((b_mx > b_mr + 8.0).to(tl.int32), axis=0) > 0:  # move the references (rare after the first pages)
@@ -1275,40 +1307,26 @@ def _codes_history_mma(
         b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr)[:, None])  # 0 where not read
         b_lv += b_p
         b_p = b_p.to(OP)
-        o_v3 = o_t[:, None, None] * stride_hvt + o_gc
+        o_v3 = o_t[:, None, None] * stride_hvt + o_gu
         m_v3 = _cmask(m_t[:, None, None], m_gv, PAD)
-        b_hi = tl.load(hv_ptr + o_v3, mask=m_v3, other=0)  # [T, NG, VG4] bytes
-        o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
-        b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)[:, :, None]  # [T, NG, 1]
-        b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)[:, :, None]
-        if FAST:
-            b_hi = b_hi.to(tl.int16)
-        else:
-            b_hi = b_hi.to(tl.int32)
+        b_vh = tl.load(hv_ptr + o_v3, mask=m_v3, other=0)  # [T, NG, VW] words
         if KV_FMT == 4:
-            b_lo = tl.load(hvl_ptr + o_v3, mask=m_v3, other=0)
-            if FAST:
-                b_lo = b_lo.to(tl.int16)
-            else:
-                b_lo = b_lo.to(tl.int32)
-            b_c0 = ((b_hi << 2) & 12) | (b_lo & 3)  # 4 hi + lo of lane j: hi's field next to lo's
-            b_c1 = (b_hi & 12) | ((b_lo >> 2) & 3)
-            b_c2 = ((b_hi >> 2) & 12) | ((b_lo >> 4) & 3)
-            b_c3 = ((b_hi >> 4) & 12) | ((b_lo >> 6) & 3)
+            b_vl = tl.load(hvl_ptr + o_v3, mask=m_v3, other=0)
         else:
-            b_c0 = b_hi & 3
-            b_c1 = (b_hi >> 2) & 3
-            b_c2 = (b_hi >> 4) & 3
-            b_c3 = (b_hi >> 6) & 3
-        b_acc0 += _dot(b_p, tl.reshape(_mma_deq(b_c0, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
-        b_acc1 += _dot(b_p, tl.reshape(_mma_deq(b_c1, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
-        b_acc2 += _dot(b_p, tl.reshape(_mma_deq(b_c2, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
-        b_acc3 += _dot(b_p, tl.reshape(_mma_deq(b_c3, b_vs, b_vz, FAST), [PAGE, DV]), IEEE)
+            b_vl = b_vh
+        o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
+        b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)  # [T, NG]
+        b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)
+        w_a, w_c = _value_words(b_vh, b_vl, KV_FMT)
+        b_acc0 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 0, KV_FMT, FAST), IEEE)
+        b_acc1 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 1, KV_FMT, FAST), IEEE)
+        b_acc2 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 2, KV_FMT, FAST), IEEE)
+        b_acc3 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 3, KV_FMT, FAST), IEEE)
     b_l = tl.sum(b_lv, axis=1)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc0, o_cv * 4, m_row, D)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc0, o_dv, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_dv + 2, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc2, o_dv + 4, m_row, D)
+    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc3, o_dv + 6, m_row, D)
 
 
 @triton.jit
@@ -1643,15 +1661,17 @@ def _coded_attention_fwd_kernel(
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
                     D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, DH,
                 )  # fmt: skip
-        elif MMA:  # v8: up to 16 rows on tensor cores, codes dequantized in registers
+        elif MMA:  # v8: up to 16 rows on tensor cores, codes read as words and dequantized in registers
+            i32p_: tl.constexpr = tl.pointer_type(tl.int32)
             _codes_history_mma(
                 q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh, m_row,
-                o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
+                o_ptr, lse_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p_),
                 hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
-                hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
+                (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p_),
+                (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p_),
                 hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
-                stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, hist_start, p_begin, p_end, qk_scale,
-                D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE,
+                stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
+                qk_scale, D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE,
             )  # fmt: skip
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]

@@ -168,6 +168,11 @@ def _coded_attention_fwd(
     # groups per padded head dim powers of two: the value bytes are read as a [page, groups, group / 4] tile)
     mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
     mma = mma and dp % vgroup == 0 and not (dp // vgroup) & (dp // vgroup - 1) and bool(tune["enabled"])
+    if mma:  # v8 reads codes as 32-bit words too (value groups of 16k channels, every code tensor 4-byte aligned)
+        mma = vgroup % 16 == 0 and all(
+            t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
+            for t in [hk, hv] + ([hvl] if hvl is not None else [])
+        )
     rows_max = 0 if mma else rows_max
     rowx = 1 < rows <= rows_max and bool(tune.get("words"))
     row1 = bool(fmt) and (rows == 1 or rowx) and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
