@@ -1195,26 +1195,27 @@ def _mma_vec(p, m, PAD: tl.constexpr):
 
 
 @triton.jit
-def _mma_keys(b_kw, p_ks, p_kz, o_dim, m_dim, I: tl.constexpr, NB: tl.constexpr, PAD: tl.constexpr,
+def _mma_keys(b_kw, p_ks, p_kz, o_dim, m_dim, IDX: tl.constexpr, NB: tl.constexpr, PAD: tl.constexpr,
               FAST: tl.constexpr):  # fmt: skip
     """Dot operand `[PAGE, K]` of key dot `I` of a page (`_codes_history_mma`): fields `2I`, `2I + 1` of each half
     of each key word, column `(w, h, e)` = channel `o_dim` (`LANES * w + LANES / 2 * h + 2I + e`)."""
     T: tl.constexpr = b_kw.shape[0]
     K: tl.constexpr = 4 * b_kw.shape[1]
-    b_f = tl.reshape(tl.join(_mma_pairs(b_kw, NB * 2 * I, NB, FAST), _mma_pairs(b_kw, NB * (2 * I + 1), NB, FAST)), [T, K])
+    b_f = tl.join(_mma_pairs(b_kw, NB * 2 * IDX, NB, FAST), _mma_pairs(b_kw, NB * (2 * IDX + 1), NB, FAST))
+    b_f = tl.reshape(b_f, [T, K])
     return _mma_deq(b_f, _mma_vec(p_ks + o_dim, m_dim, PAD), _mma_vec(p_kz + o_dim, m_dim, PAD), FAST)
 
 
 @triton.jit
-def _mma_values(w_a, w_c, b_vs, b_vz, I: tl.constexpr, KV_FMT: tl.constexpr, FAST: tl.constexpr):
+def _mma_values(w_a, w_c, b_vs, b_vz, IDX: tl.constexpr, KV_FMT: tl.constexpr, FAST: tl.constexpr):
     """Dot operand `[PAGE, K]` of value dot `I` of a page: column `(g, u, h, e)` = channel `16 (g VW + u) + 8h + 2I
     + e`; INT4: the 4-bit codes `4 hi + lo` of `_value_words` (`w_a` even channels, `w_c` odd), INT2: the plane."""
     T: tl.constexpr = w_a.shape[0]
     K: tl.constexpr = 4 * w_a.shape[1] * w_a.shape[2]
     if KV_FMT == 4:
-        b_f = tl.join(_mma_pairs(w_a, 4 * I, 4, FAST), _mma_pairs(w_c, 4 * I, 4, FAST))
+        b_f = tl.join(_mma_pairs(w_a, 4 * IDX, 4, FAST), _mma_pairs(w_c, 4 * IDX, 4, FAST))
     else:
-        b_f = tl.join(_mma_pairs(w_a, 4 * I, 2, FAST), _mma_pairs(w_a, 4 * I + 2, 2, FAST))
+        b_f = tl.join(_mma_pairs(w_a, 4 * IDX, 2, FAST), _mma_pairs(w_a, 4 * IDX + 2, 2, FAST))
     return tl.reshape(_mma_deq(b_f, b_vs[:, :, None, None, None], b_vz[:, :, None, None, None], FAST), [T, K])
 
 

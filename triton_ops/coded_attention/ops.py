@@ -65,8 +65,10 @@ ptxas's register cap per thread (None: Triton's default), e.g. 168 for 6 two-war
 
 v8 (session 15, off by default): `mma`: coded history of 1..16 query rows per KV head (decode, GQA, verification
 blocks) without V precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over
-codes dequantized to fp16 in registers; `num_warps` / `num_stages` / `programs_per_sm` of this dict); it replaces
-v4 / v7 and the general path for those calls (not yet timed: `benchmarks/notes_coded_attention.md`, v8)."""
+code words dequantized to fp16 in registers; `num_warps` / `num_stages` / `programs_per_sm` of this dict); it
+replaces v4 / v7 and the general path for those calls. Offline sm_90 SASS: 6.1 instructions per code element
+(decode: more than v4's 4.4), 1.2 per element per row for a 5-row block (the general path 3.2); not yet timed
+(`benchmarks/notes_coded_attention.md`, v8)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -165,7 +167,7 @@ def _coded_attention_fwd(
     if mma not in (0, 1) or not isinstance(mma, (bool, int)):
         raise ValueError(f"`tuning['mma']` must be a bool (or 0 / 1), got {mma!r}")
     # v8: 1..16 rows per KV head over coded history without V precision, on tensor cores (value groups and the
-    # groups per padded head dim powers of two: the value bytes are read as a [page, groups, group / 4] tile)
+    # groups per padded head dim powers of two: the value words are read as a [page, groups, group / 16] tile)
     mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
     mma = mma and dp % vgroup == 0 and not (dp // vgroup) & (dp // vgroup - 1) and bool(tune["enabled"])
     if mma:  # v8 reads codes as 32-bit words too (value groups of 16k channels, every code tensor 4-byte aligned)
