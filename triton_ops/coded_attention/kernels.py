@@ -1161,13 +1161,15 @@ def _codes_history_row1p(
 
 
 @triton.jit
-def _mma_pairs(w, POS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+def _mma_pairs(w, magic, POS: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
     """v8: the NB-bit fields at bits POS and POS + 16 of int32 words `w` as a trailing pair `[..., 2]` (OP dtype).
     FAST: one LOP3 puts both fields into the mantissas of two fp16 `1024` (`0x6400 | field` in each half), so the
-    pair is the word's two halves (`1024 + field`; `_mma_deq` takes the 1024 off); else the fields as fp32."""
+    pair is the word's two halves (`1024 + field`; `_mma_deq` takes the 1024 off); else the fields as fp32.
+    `magic`: 0x64006400 as a run-time register value, so that the LOP3's one immediate is the field mask (two
+    constants would be re-materialised before every LOP3: 41 IMAD.MOV per step)."""
     M2: tl.constexpr = ((1 << NB) - 1) * 0x00010001
     if FAST:
-        x = ((w >> POS) & M2) | 0x64006400
+        x = ((w >> POS) & M2) | magic
         return tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
     else:
         x = (w >> POS) & M2
@@ -1195,14 +1197,14 @@ def _mma_vec(p, m, PAD: tl.constexpr):
 
 
 @triton.jit
-def _mma_keys(b_kw, p_ks, p_kz, o_dim, m_dim, IDX: tl.constexpr, NB: tl.constexpr, PAD: tl.constexpr,
+def _mma_keys(b_kw, magic, p_ks, p_kz, o_dim, m_dim, IDX: tl.constexpr, NB: tl.constexpr, PAD: tl.constexpr,
               FAST: tl.constexpr):  # fmt: skip
     """Dot operand `[PAGE, K]` of key dot `I` of a page (`_codes_history_mma`): fields `2I`, `2I + 1` of each half
     of each key word, column `(w, e, h)` (INT4) or `(w, h, e)` (INT2) = channel `o_dim` (`LANES * w + LANES / 2 * h
     + 2I + e`)."""
     T: tl.constexpr = b_kw.shape[0]
     K: tl.constexpr = 4 * b_kw.shape[1]
-    b_f = tl.join(_mma_pairs(b_kw, NB * 2 * IDX, NB, FAST), _mma_pairs(b_kw, NB * (2 * IDX + 1), NB, FAST))
+    b_f = tl.join(_mma_pairs(b_kw, magic, NB * 2 * IDX, NB, FAST), _mma_pairs(b_kw, magic, NB * (2 * IDX + 1), NB, FAST))
     if NB == 4:  # columns (w, e, h): a word's halves adjacent (sm_90 SASS: 5.80 instructions per element, 6.08 without)
         b_f = tl.permute(b_f, (0, 1, 3, 2))
     b_f = tl.reshape(b_f, [T, K])  # INT2: columns (w, h, e) (5.41, 6.15 with the permute)
@@ -1210,15 +1212,15 @@ def _mma_keys(b_kw, p_ks, p_kz, o_dim, m_dim, IDX: tl.constexpr, NB: tl.constexp
 
 
 @triton.jit
-def _mma_values(w_a, w_c, b_vs, b_vz, IDX: tl.constexpr, KV_FMT: tl.constexpr, FAST: tl.constexpr):
+def _mma_values(w_a, w_c, magic, b_vs, b_vz, IDX: tl.constexpr, KV_FMT: tl.constexpr, FAST: tl.constexpr):
     """Dot operand `[PAGE, K]` of value dot `I` of a page: column `(g, u, h, e)` = channel `16 (g VW + u) + 8h + 2I
     + e`; INT4: the 4-bit codes `4 hi + lo` of `_value_words` (`w_a` even channels, `w_c` odd), INT2: the plane."""
     T: tl.constexpr = w_a.shape[0]
     K: tl.constexpr = 4 * w_a.shape[1] * w_a.shape[2]
     if KV_FMT == 4:
-        b_f = tl.join(_mma_pairs(w_a, 4 * IDX, 4, FAST), _mma_pairs(w_c, 4 * IDX, 4, FAST))
+        b_f = tl.join(_mma_pairs(w_a, magic, 4 * IDX, 4, FAST), _mma_pairs(w_c, magic, 4 * IDX, 4, FAST))
     else:
-        b_f = tl.join(_mma_pairs(w_a, 4 * IDX, 2, FAST), _mma_pairs(w_a, 4 * IDX + 2, 2, FAST))
+        b_f = tl.join(_mma_pairs(w_a, magic, 4 * IDX, 2, FAST), _mma_pairs(w_a, magic, 4 * IDX + 2, 2, FAST))
     return tl.reshape(_mma_deq(b_f, b_vs[:, :, None, None, None], b_vz[:, :, None, None, None], FAST), [T, K])
 
 
@@ -1277,6 +1279,9 @@ def _codes_history_mma(
         b_q2 = _mma_qlane(p_qrow, o_dk + 4, m_q, OP)
         b_q3 = _mma_qlane(p_qrow, o_dk + 6, m_q, OP)
     m_dk = o_dk < DH
+    # 0x64006400 (two fp16 1024) as the bits of an fp32 computed at run time (`_mma_pairs`)
+    b_zs = tl.max(tl.zeros([BLOCK_R], dtype=tl.float32) + qk_scale, axis=0) * 0.0  # 0.0, not a constant
+    magic = (b_zs + 9.473556003354462e21).to(tl.int32, bitcast=True)
     b_nhr = tl.where(m_row, b_nh, 0)
     limit = tl.minimum(tl.max(b_nhr, axis=0), p_end * PAGE)  # history tokens any row reads
     b_mr = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # softmax reference per row (log2 units)
@@ -1295,11 +1300,11 @@ def _codes_history_mma(
         b_kw = tl.load(hk_ptr + o_t[:, None] * stride_hkt + o_w[None, :], mask=_cmask(m_t[:, None], m_wd, PAD), other=0)
         p_ksp = hks_ptr + i_p * stride_hksp
         p_kzp = hkz_ptr + i_p * stride_hksp
-        b_s = _dot(b_q0, tl.trans(_mma_keys(b_kw, p_ksp, p_kzp, o_dk, m_dk, 0, KV_FMT, PAD, FAST)), IEEE)
-        b_s += _dot(b_q1, tl.trans(_mma_keys(b_kw, p_ksp + 2, p_kzp + 2, o_dk, m_dk, 1, KV_FMT, PAD, FAST)), IEEE)
+        b_s = _dot(b_q0, tl.trans(_mma_keys(b_kw, magic, p_ksp, p_kzp, o_dk, m_dk, 0, KV_FMT, PAD, FAST)), IEEE)
+        b_s += _dot(b_q1, tl.trans(_mma_keys(b_kw, magic, p_ksp + 2, p_kzp + 2, o_dk, m_dk, 1, KV_FMT, PAD, FAST)), IEEE)
         if NKD == 4:
-            b_s += _dot(b_q2, tl.trans(_mma_keys(b_kw, p_ksp + 4, p_kzp + 4, o_dk, m_dk, 2, KV_FMT, PAD, FAST)), IEEE)
-            b_s += _dot(b_q3, tl.trans(_mma_keys(b_kw, p_ksp + 6, p_kzp + 6, o_dk, m_dk, 3, KV_FMT, PAD, FAST)), IEEE)
+            b_s += _dot(b_q2, tl.trans(_mma_keys(b_kw, magic, p_ksp + 4, p_kzp + 4, o_dk, m_dk, 2, KV_FMT, PAD, FAST)), IEEE)
+            b_s += _dot(b_q3, tl.trans(_mma_keys(b_kw, magic, p_ksp + 6, p_kzp + 6, o_dk, m_dk, 3, KV_FMT, PAD, FAST)), IEEE)
         b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, T] log2 units
         b_mx = tl.max(b_s, axis=1)
         if tl.max((b_mx > b_mr + 8.0).to(tl.int32), axis=0) > 0:  # move the references (rare after the first pages)
@@ -1325,10 +1330,10 @@ def _codes_history_mma(
         b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)  # [T, NG]
         b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)
         w_a, w_c = _value_words(b_vh, b_vl, KV_FMT)
-        b_acc0 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 0, KV_FMT, FAST), IEEE)
-        b_acc1 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 1, KV_FMT, FAST), IEEE)
-        b_acc2 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 2, KV_FMT, FAST), IEEE)
-        b_acc3 += _dot(b_p, _mma_values(w_a, w_c, b_vs, b_vz, 3, KV_FMT, FAST), IEEE)
+        b_acc0 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 0, KV_FMT, FAST), IEEE)
+        b_acc1 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 1, KV_FMT, FAST), IEEE)
+        b_acc2 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 2, KV_FMT, FAST), IEEE)
+        b_acc3 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 3, KV_FMT, FAST), IEEE)
     b_l = tl.sum(b_lv, axis=1)
     _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc0, o_dv, m_row, D)
     _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_dv + 2, m_row, D)
