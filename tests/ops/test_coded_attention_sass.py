@@ -135,15 +135,15 @@ def test_verification_rows_run_the_decode_word_loop():
 def test_mma_loop_runs_on_tensor_cores():
     """v8 (`ROW1_TUNING["mma"]`): the tensor-core loop compiles for sm_90 with HMMA in the loop, nothing in local
     memory, fewer registers than v4 and fp16 dequantization packed two per instruction (HADD2 / HFMA2); per code
-    element it issues more than v4's one-row loop (measured 5.80 against 4.38: no decode win) but, serving a block of
-    up to 16 rows per step, fewer per element per row than the general path for a 5-row verification block (1.16
+    element it issues more than v4's one-row loop (measured 5.47 against 4.38: no decode win) but, serving a block of
+    up to 16 rows per step, fewer per element per row than the general path for a 5-row verification block (1.09
     against 3.25)."""
     from benchmarks.sass_coded_attention import report
 
     mma = report(fmt=4, pages=1, warps=2, extra={"ROW1": False, "WORDS": False, "MMA": True}, rows=5)
     assert mma["stack"] == 0 and mma["local_ins"] == 0, mma
     assert mma["mma"] >= 16 and mma["ops"].get("HFMA2", 0) >= 32 and mma["regs"] <= 200, mma
-    assert mma["per_element"] < 6.3, mma
+    assert mma["per_element"] < 6.0, mma
     general = report(fmt=4, pages=1, warps=4, stages=3, extra={"ROW1": False, "WORDS": False}, rows=5)
     assert mma["per_element_row"] < 0.5 * general["per_element_row"], (mma, general)
     two = report(fmt=2, pages=1, warps=2, extra={"ROW1": False, "WORDS": False, "MMA": True, "DH": 96})

@@ -66,8 +66,8 @@ ptxas's register cap per thread (None: Triton's default), e.g. 168 for 6 two-war
 v8 (session 15, off by default): `mma`: coded history of 1..16 query rows per KV head (decode, GQA, verification
 blocks) without V precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over
 code words dequantized to fp16 in registers; `num_warps` / `num_stages` / `programs_per_sm` of this dict); it
-replaces v4 / v7 and the general path for those calls. Offline sm_90 SASS: 6.1 instructions per code element
-(decode: more than v4's 4.4), 1.2 per element per row for a 5-row block (the general path 3.2); not yet timed
+replaces v4 / v7 and the general path for those calls. Offline sm_90 SASS: 5.5 instructions per code element
+(decode: more than v4's 4.4), 1.1 per element per row for a 5-row block (the general path 3.2); not yet timed
 (`benchmarks/notes_coded_attention.md`, v8)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
