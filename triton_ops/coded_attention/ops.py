@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16, "rows_max": 0, "mma": False,
+    "sub_auto_pages": 16, "rows_max": 16, "mma": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -62,6 +62,11 @@ splits of at most this many pages (0: never) take `sub` 2 at one warp when `page
 `tl.range(num_stages=sub_stages)` loop (asynchronous copies through shared memory; `sub` 1 included); `maxnreg`:
 ptxas's register cap per thread (None: Triton's default), e.g. 168 for 6 two-warp programs per SM instead of 4
 (measured within 5% of v4 at batch >= 8).
+
+v7 (session 14, on since session 15): `rows_max` (0..16; 0: off): a block of `1 < rows <= rows_max` query rows per
+KV head (a verification block) runs the word loop once per (split, row) instead of the general path's 16-row blocks
+(H200, INT4, 5 tokens at 8K x 8: 413 against 505 us; 2 tokens 187 against 502; slower only for 5 tokens at batch 1,
+79 against 70 us; `benchmarks/results/coded_attention_h200_v7_q5.json`).
 
 v8 (session 15, off by default): `mma`: coded history of 1..16 query rows per KV head (decode, GQA, verification
 blocks) without V precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over
