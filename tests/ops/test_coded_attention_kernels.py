@@ -363,8 +363,9 @@ VERIFY_CASES = [
     Case(hist=100, Q=2, Hq=2, Hkv=2, D=64, spread=40, splits=1, lean=0.3),
 ]
 VERIFY_SETTINGS = {
-    "v7": {"rows_max": 16},  # short splits: the half-page steps at one warp (v6) where the head dim allows
-    "v7-v4": {"rows_max": 16, "sub_auto_pages": 0},  # v4's loop (one page per step, next step prefetched)
+    # `mma_rows_min` 0: blocks of 4 rows and more take v8 by default
+    "v7": {"rows_max": 16, "mma_rows_min": 0},  # short splits: the half-page steps at one warp (v6) where allowed
+    "v7-v4": {"rows_max": 16, "sub_auto_pages": 0, "mma_rows_min": 0},  # v4's loop (one page per step, prefetched)
 }
 
 
@@ -399,6 +400,7 @@ def test_verification_block_rows_read_their_own_bounds(launches):
     data["bounds"] = torch.tensor([[hi, lo, lo + 40, hi - 1], [hi, hi - 70, lo + 3, lo + 33]], dtype=torch.int32)
     ref, ref_lse = _reference(data)
     for tune in ({"rows_max": 16}, {"rows_max": 16, "sub_auto_pages": 0}, {"rows_max": 0}):
+        tune["mma_rows_min"] = 0  # 4 rows: v8's by default
         out, lse = _run_kernel(data, tuning=tune)
         assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], tune
         torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
@@ -408,9 +410,9 @@ def test_verification_block_rows_read_their_own_bounds(launches):
 @pytest.mark.parametrize(
     "case, tune",
     [
-        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 4}),  # 5 rows > rows_max
-        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 0}),  # v7 off
-        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 16, "words": False}),
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 4, "mma_rows_min": 0}),  # 5 > 4
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 0, "mma_rows_min": 0}),  # v7 off
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"rows_max": 16, "words": False, "mma_rows_min": 0}),
         (Case(hist=64, Q=5, Hq=2, Hkv=2, D=32, fmt=0, splits=2), {"rows_max": 16}),  # dense history
     ],
     ids=["rows-over-max", "off", "bytes", "dense"],
@@ -422,14 +424,29 @@ def test_verification_blocks_keep_the_general_path(case, tune, launches):
     assert all(x[:2] == (False, False) for x in launches), launches
 
 
-def test_verification_blocks_take_the_word_path_by_default(launches):
-    """v7 is on by default since the session-15 H200 sweep (`ROW1_TUNING["rows_max"]` 16: a 5-token block over INT4
-    history at 8K x 8 in 413 against 505 us, 2 tokens in 187 against 502): a block of a few rows takes it untuned."""
-    from triton_ops.coded_attention.ops import ROW1_TUNING
+@pytest.mark.parametrize(
+    "case, path",
+    [
+        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "v7"),  # 3 rows per KV head
+        (Case(hist=64, Q=2, Hq=4, Hkv=2, D=64, vprec=False, splits=2), "v8"),  # GQA 2 x 2 tokens: 4 rows
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, splits=2), "v7"),  # V precision: v8 does not take it
+        (Case(hist=64, Q=1, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "decode"),
+    ],
+    ids=["3-rows", "4-rows", "vprec", "decode"],
+)
+def test_default_paths_by_rows(case, path, launches):
+    """The session-15 H200 sweeps set the defaults (`ROW1_TUNING`): a block of 2-3 rows per KV head takes v7
+    (`rows_max` 16; 2 tokens at 8K x 8 in 187 against the general path's 502 us), of 4 rows or more v8 at one warp
+    (`mma_rows_min` 4; 5 tokens in 272 against v7's 413), V precision v7 (v8 has none), decode v4 / v6."""
+    from triton_ops.coded_attention import ops
 
-    assert ROW1_TUNING["rows_max"] == 16
-    _check(Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, vprec=False, splits=2), torch.float32)
-    assert launches and all(x[0] for x in launches), launches
+    assert ops.ROW1_TUNING["rows_max"] == 16 and ops.ROW1_TUNING["mma_rows_min"] == 4
+    _check(case, torch.float32)
+    rowx, row1, _, _, mma, warps = launches[-1]
+    assert (rowx, mma) == {"v7": (True, False), "v8": (False, True), "decode": (False, False)}[path], launches
+    assert row1 == (path != "v8"), launches
+    if path == "v8":
+        assert warps == 1, launches  # the H200's fastest v8 setting, whatever `num_warps` the one-row path uses
 
 
 def test_rows_max_is_validated():
@@ -501,6 +518,9 @@ def test_mma_is_validated():
     for bad in (2, -1, 1.0, "1", None):
         with pytest.raises(ValueError, match=r"tuning\['mma'\]"):
             _run_kernel(data, tuning={"mma": bad})
+    for bad in (17, -1, 1.0, True, None):
+        with pytest.raises(ValueError, match=r"tuning\['mma_rows_min'\]"):
+            _run_kernel(data, tuning={"mma_rows_min": bad})
 
 
 DENSE_CASES = [c for c in CPU_CASES if not c.fmt]

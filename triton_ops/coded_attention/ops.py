@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16, "rows_max": 16, "mma": False,
+    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -68,12 +68,17 @@ KV head (a verification block) runs the word loop once per (split, row) instead 
 (H200, INT4, 5 tokens at 8K x 8: 413 against 505 us; 2 tokens 187 against 502; slower only for 5 tokens at batch 1,
 79 against 70 us; `benchmarks/results/coded_attention_h200_v7_q5.json`).
 
-v8 (session 15, off by default): `mma`: coded history of 1..16 query rows per KV head (decode, GQA, verification
-blocks) without V precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over
-code words dequantized to fp16 in registers; `num_warps` / `num_stages` / `programs_per_sm` of this dict); it
-replaces v4 / v7 and the general path for those calls. Offline sm_90 SASS: 5.5 instructions per code element
-(decode: more than v4's 4.4), 1.1 per element per row for a 5-row block (the general path 3.2); not yet timed
-(`benchmarks/notes_coded_attention.md`, v8)."""
+v8 (session 15): coded history of 1..16 query rows per KV head (decode, GQA, verification blocks) without V
+precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over code words dequantized
+to fp16 in registers); it replaces v4 / v7 and the general path for those calls. `mma_rows_min` (0..16; 0: off;
+default 4) takes it, at one warp per program, for every call of at least that many rows per KV head; `mma` takes it
+at any row count with this dict's `num_warps` / `num_stages`. H200 (bf16, graph replay, L2 flushed;
+`benchmarks/results/coded_attention_h200_v8_q5.json`, `_q1.json`): a 5-token INT4 block at 8K x 1 / 8 / 16 in 38.8 /
+271.5 / 479.3 us at one warp, against v7's 78.5 / 413.1 / 803.8 (32K: 95.6 / 971.1 / 1736.2 against 234.1 / 1575.8 /
+3147.8); v7's 2-token block (30.5 / 187.1 / 361.7 us) is faster than v8's cost, which hardly depends on the rows,
+hence 4; decode (one row) 32.5 / 267.5 / 472.8 us against v4 / v6's 22.1 / 117.7 / 197.1, so decode keeps those.
+Offline sm_90 SASS: 5.5 instructions per code element at 2 warps (v4: 4.4), 1.1 per element per row for a 5-row
+block (the general path 3.2; `benchmarks/notes_coded_attention.md`, v8)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -171,6 +176,13 @@ def _coded_attention_fwd(
     mma = tune.get("mma", False)
     if mma not in (0, 1) or not isinstance(mma, (bool, int)):
         raise ValueError(f"`tuning['mma']` must be a bool (or 0 / 1), got {mma!r}")
+    mma_rows_min = tune.get("mma_rows_min", 0)
+    if isinstance(mma_rows_min, bool) or not isinstance(mma_rows_min, int) or not 0 <= mma_rows_min <= 16:
+        raise ValueError(f"`tuning['mma_rows_min']` must be an int in [0, 16] (0: off), got {mma_rows_min!r}")
+    # v8 by default from `mma_rows_min` rows per KV head on (at one warp: the H200's fastest v8 setting); `mma`
+    # asks for it at any row count with the configured warps
+    mma_auto = not mma and 0 < mma_rows_min <= rows
+    mma = mma or mma_auto
     # v8: 1..16 rows per KV head over coded history without V precision, on tensor cores (value groups and the
     # groups per padded head dim powers of two: the value words are read as a [page, groups, group / 16] tile)
     mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
@@ -339,7 +351,7 @@ def _coded_attention_fwd(
         )
 
     if row1 or mma:
-        launch = {"num_warps": num_warps, "num_stages": tune["num_stages"]}
+        launch = {"num_warps": 1 if mma_auto and mma else num_warps, "num_stages": tune["num_stages"]}
         if maxnreg is not None:
             launch["maxnreg"] = maxnreg  # v6: more programs per SM by registers (`ROW1_TUNING`)
     elif not fmt:
