@@ -151,7 +151,8 @@ def test_kernel_with_device_lengths_matches_reference(case, tail, launches):
     stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     out, lse = _coded_attention_fwd(
         data["q"].to(DEVICE), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats,
-        num_splits=3 if case.fmt else None, tuning={"tail_chunk": tail, "rows_max": 16 if case.spread else 0},
+        num_splits=3 if case.fmt else None,
+        tuning={"tail_chunk": tail, "rows_max": 16 if case.spread else 0, "mma_rows_min": 0},  # v8: below
     )  # fmt: skip
     ref, ref_lse, ref_stats = _ref(data, _static_view(data, torch.float64), torch.float64)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=1e-5)
@@ -159,3 +160,21 @@ def test_kernel_with_device_lengths_matches_reference(case, tail, launches):
     if case.vprec and case.fmt == 4:
         assert stats.cpu().tolist() == ref_stats.tolist()
     assert all(x[0] == bool(case.spread) for x in launches) and launches, launches
+
+
+@needs_kernel
+def test_static_block_of_four_rows_takes_v8(launches):
+    """v8 (`ROW1_TUNING["mma_rows_min"]` 4) reads a static view too: GQA 2 x 2 new tokens (4 rows per KV head) over
+    INT2 codes with the length on the device and a ring window, against the reference on the same codes."""
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    case = VERIFY_CASES[1]
+    data = _build(case, torch.float32)
+    out, lse = _coded_attention_fwd(
+        data["q"].to(DEVICE), _static_view(data, torch.float32, DEVICE), scaling=data["scaling"], v_precision_tau=None,
+        num_splits=3,
+    )
+    ref, ref_lse, _ = _ref(data, _static_view(data, torch.float64), torch.float64)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=1e-5)
+    assert [x[4] for x in launches] == [True], launches
