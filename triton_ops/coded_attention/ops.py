@@ -111,6 +111,14 @@ def _strides(t: Tensor | None, n: int = 3) -> list[int]:
     return list(t.stride()[:n]) if t is not None else [0] * n
 
 
+def _word_aligned(*codes: Tensor | None) -> bool:
+    """Whether the code tensors (None: absent, e.g. INT2's `lo`) can be read as 32-bit words: 4-byte aligned at their
+    start and in every stride but the last (v4's word path and v8)."""
+    return all(
+        t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in codes if t is not None
+    )
+
+
 def _coded_attention_fwd(
     query: Tensor,
     view: CellView,
@@ -171,8 +179,6 @@ def _coded_attention_fwd(
     rows_max = tune.get("rows_max", 0)
     if isinstance(rows_max, bool) or not isinstance(rows_max, int) or not 0 <= rows_max <= 16:
         raise ValueError(f"`tuning['rows_max']` must be an int in [0, 16] (0: off), got {rows_max!r}")
-    # v7: a verification block of 1 < rows <= `rows_max` query rows per KV head runs the word path once per row
-    # (`rowx`: the history programs are (split, row) pairs; V precision in v4's loop); the general path otherwise
     mma = tune.get("mma", False)
     if mma not in (0, 1) or not isinstance(mma, (bool, int)):
         raise ValueError(f"`tuning['mma']` must be a bool (or 0 / 1), got {mma!r}")
@@ -187,20 +193,16 @@ def _coded_attention_fwd(
     # groups per padded head dim powers of two: the value words are read as a [page, groups, group / 16] tile)
     mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
     mma = mma and dp % vgroup == 0 and not (dp // vgroup) & (dp // vgroup - 1) and bool(tune["enabled"])
-    if mma:  # v8 reads codes as 32-bit words too (value groups of 16k channels, every code tensor 4-byte aligned)
-        mma = vgroup % 16 == 0 and all(
-            t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
-            for t in [hk, hv] + ([hvl] if hvl is not None else [])
-        )
+    mma = mma and vgroup % 16 == 0 and _word_aligned(hk, hv, hvl)  # v8 reads codes as 32-bit words too
     rows_max = 0 if mma else rows_max
+    # v7: a verification block of 1 < rows <= `rows_max` query rows per KV head runs the word path once per row
+    # (`rowx`: the history programs are (split, row) pairs; V precision in v4's loop); the general path otherwise
     rowx = 1 < rows <= rows_max and bool(tune.get("words"))
     row1 = bool(fmt) and (rows == 1 or rowx) and n_groups > 0 and d % vgroup == 0 and not n_groups & (n_groups - 1)
     row1 = row1 and not (vgroup // 4) & (vgroup // 4 - 1) and bool(tune["enabled"]) and not mma
     # v4: codes read as 32-bit words (value groups of 16k channels; every code tensor 4-byte aligned in all dims)
     words = row1 and bool(tune.get("words")) and vgroup % 16 == 0 and not (vgroup // 16) & (vgroup // 16 - 1)
-    if words:
-        code_ts = [hk, hv] + ([hvl] if hvl is not None else [])
-        words = all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]) for t in code_ts)
+    words = words and _word_aligned(hk, hv, hvl)
     rowx = rowx and words
     row1 = row1 and (rows == 1 or rowx)  # rows > 1 without the word path: the general path
     base_h = b * hkv * rows if rowx else base  # history programs per split
