@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import importlib.util
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,10 @@ __all__ = [
     "check_same_device",
     "fallback_counts",
     "launch_device",
+    "PDL",
     "next_pow2",
+    "pdl_options",
+    "pdl_supported",
     "several_gpus",
     "triton_available",
     "use_triton",
@@ -80,6 +84,51 @@ def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     current device, which is not the tensor's when a model is split over GPUs by `device_map`); a no-op elsewhere and
     with a single GPU."""
     return torch.cuda.device(t.device) if t.is_cuda and several_gpus() else contextlib.nullcontext()
+
+
+PDL: dict[str, Any] = {"enabled": True}
+"""Programmatic dependent launch of the step's Triton kernels (gemv, the fused layer ops, the static cells' page
+flush, coded attention): `enabled` launches them with `launch_pdl=True` on GPUs of compute capability >= 9 under a
+Triton that has it (`pdl_supported`). A kernel so launched may start while the previous kernel of the stream still
+runs: it waits (`gdc_wait`) before it reads what an earlier kernel wrote or writes anything, and loads only what no
+kernel writes (a GEMV's weights) before that; it lets the next kernel start once all its programs have waited
+(`gdc_launch_dependents`). Set `enabled` to False for launches as before (read at each launch: a captured CUDA
+graph keeps the setting it was captured with)."""
+
+
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether this Triton can launch with programmatic dependent launch: the `launch_pdl` launch option of its CUDA
+    backend and the `gdc_wait` / `gdc_launch_dependents` ops (Triton 3.3 on); checked once, lazily, here only."""
+    if not triton_available():
+        return False
+    try:
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and all(hasattr(cuda, op) for op in ("gdc_wait", "gdc_launch_dependents"))
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_options(t: torch.Tensor) -> dict[str, bool]:
+    """The launch keywords of a kernel reading `t` with a `USE_PDL` constexpr: `{"USE_PDL": True, "launch_pdl":
+    True}` when `PDL["enabled"]`, `t` is on a CUDA device of compute capability >= 9, Triton supports it and the
+    interpreter is off (it runs no `gdc_*` op); `{"USE_PDL": False}` (the launch as before) otherwise."""
+    on = (
+        bool(PDL["enabled"])
+        and t.is_cuda
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and pdl_supported()
+        and _hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    )
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
 def _tensors(obj: object) -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,6 +30,11 @@ CONFIGS = {
     "fma-bn4": {"block_n": 4, "block_k": 64, "dot": False, "num_warps": 2, "num_stages": 2, "split": 1},
     "dot-split2": {"block_n": 16, "block_k": 32, "dot": True, "num_warps": 4, "num_stages": 2, "split": 2},
     "dot-bn32": {"block_n": 32, "block_k": 64, "dot": True, "num_warps": 4, "num_stages": 3, "split": 1},
+    # the PDL launch's loop (weights one tile ahead, the first before the wait), runnable without PDL
+    "preload-split3": {"block_n": 8, "block_k": 32, "dot": False, "num_warps": 4, "num_stages": 2, "split": 3,
+                       "preload": True},
+    "preload-bn4": {"block_n": 4, "block_k": 64, "dot": False, "num_warps": 2, "num_stages": 2, "split": 1,
+                    "preload": True},
 }
 
 
@@ -102,25 +107,33 @@ def test_gemv_split_rule_fills_the_sms(on_cpu):
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
 @pytest.mark.parametrize("partial", [False, True], ids=["one-split", "splits"])
-def test_gemv_kernel_compiles_for_sm90(dot, partial):
+def test_gemv_kernel_compiles_for_sm90(dot, partial, pdl):
     """The interpreter runs Python, not Triton's compiler: compile both paths for sm_90 as a bf16 decode step
-    launches them (aligned pointers and sizes: vectorized loads), and the reduce kernel, with no GPU."""
+    launches them (aligned pointers and sizes: vectorized loads), and the reduce kernel, with no GPU; with
+    programmatic dependent launch (the FMA path preloading) the wait and the trigger are there, the first weight load
+    before the wait, and neither without it."""
     from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
 
     consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=16 if dot else 8, BLOCK_K=256 if dot else 512, USE_DOT=dot,
-                  IEEE=False, PARTIAL=partial, HAS_BIAS=not partial)  # fmt: skip
+                  IEEE=False, PARTIAL=partial, HAS_BIAS=not partial, PRELOAD=pdl and not dot, USE_PDL=pdl)  # fmt: skip
     ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32")
     aligned = {"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
                "stride_om", "stride_os"}  # fmt: skip
-    kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=4, num_stages=3)
-    reduce = compile_for_sm90(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024), {**ptr, "out_ptr": "bf16"},
-                              aligned=aligned, num_warps=4)  # fmt: skip
+    opts = {"launch_pdl": True} if pdl else {}
+    kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=4, num_stages=3, **opts)
+    reduce = compile_for_sm90(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024, USE_PDL=pdl),
+                              {**ptr, "out_ptr": "bf16"}, aligned=aligned, num_warps=4, **opts)  # fmt: skip
     assert kernel.asm.get("cubin") and reduce.asm.get("cubin")
     ptx = kernel.asm["ptx"]
     assert ("mma" in ptx) == dot
     assert "ld.global.v4" in ptx or "cp.async" in ptx  # W is read in 16-byte pieces
+    for code in (ptx, reduce.asm["ptx"]):
+        assert ("griddepcontrol.wait" in code) == pdl and ("griddepcontrol.launch_dependents" in code) == pdl
+    if pdl and not dot:  # the weight tile is requested before the wait, `x` after it
+        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
 
 
 # ---- dispatch (any machine) ----
@@ -173,6 +186,20 @@ def test_table_decides_per_shape_and_row_class(monkeypatch):
     assert not ops.routes(torch.randn(8, 64, dtype=torch.float16), w)  # None still means cuBLAS
     assert ops.gemv_config(1, 32, 64, 132) == fma
     assert ops.gemv_config(8, 32, 64, 132) == ops.default_config(8, 32, 64, 132)
+
+
+def test_pdl_table_routes_only_pdl_launches(monkeypatch):
+    """`GEMV_PDL_CONFIGS` (Ouro's gate/up at one row, a near tie that cuBLAS won) takes the kernel only when the launch
+    takes programmatic dependent launch; without it `GEMV_CONFIGS`' None keeps cuBLAS."""
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
+    x, w = torch.randn(1, 2048, dtype=torch.bfloat16), torch.empty(11264, 2048, dtype=torch.bfloat16)
+    assert ops.GEMV_CONFIGS[(11264, 2048)][1] is None and not ops.routes(x, w)
+    assert ops.gemv_config(1, 11264, 2048, 132) == ops.default_config(1, 11264, 2048, 132)
+    monkeypatch.setattr(ops, "pdl_options", lambda t: {"USE_PDL": True, "launch_pdl": True})
+    assert ops.routes(x, w)
+    assert not ops.routes(torch.randn(2, 2048, dtype=torch.bfloat16), w)  # the PDL table lists one row only
+    assert ops.gemv_config(1, 11264, 2048, 132, pdl=True) == {**ops.GEMV_PDL_CONFIGS[(11264, 2048)][1]}
 
 
 def test_linear_calls_the_kernel_only_when_routed(monkeypatch):

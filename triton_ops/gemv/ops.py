@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import launch_device, next_pow2, use_triton
+from triton_ops._dispatch import launch_device, next_pow2, pdl_options, use_triton
 from triton_ops.gemv.reference import ref_gemv
 
-__all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "routes"]
+__all__ = ["GEMV_CONFIGS", "GEMV_PDL_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "routes"]
 
 GEMV_TUNING: dict[str, Any] = {
     "enabled": True,
@@ -106,6 +106,14 @@ GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
 for the default rule's), `dot` (tensor cores on rows padded to 16, else FMA), `num_warps`, `num_stages`; None where
 cuBLAS was faster (`linear` keeps `F.linear` there). `gemv` itself takes `default_config` where nothing is listed."""
 
+GEMV_PDL_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any]]] = {
+    # H200 (benchmarks/results/gemv_h200.json): cuBLAS 20.6 us, the kernel 20.7 us without PDL
+    (11264, 2048): {1: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2}},
+}
+"""Shapes and row classes that `GEMV_CONFIGS` gives to cuBLAS by less than 1% but that take the kernel when it is
+launched with programmatic dependent launch (`triton_ops._dispatch.PDL`): cuBLAS is launched without it, so its launch
+cannot overlap the previous kernel's tail, nor the next kernel's its own."""
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -147,9 +155,15 @@ def _split(cfg: dict[str, Any], n: int, k: int, sms: int) -> tuple[int, int]:
     return _cdiv(k, k_split), k_split
 
 
-def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
-    """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, else `default_config`)."""
-    found = GEMV_CONFIGS.get((n, k), {}).get(next_pow2(m))
+def _listed(n: int, k: int, pdl: bool) -> dict[int, dict[str, Any] | None]:
+    listed = GEMV_CONFIGS.get((n, k), {})
+    return {**listed, **GEMV_PDL_CONFIGS.get((n, k), {})} if pdl else listed
+
+
+def gemv_config(m: int, n: int, k: int, sms: int, *, pdl: bool = False) -> dict[str, Any]:
+    """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, with `pdl` also
+    `GEMV_PDL_CONFIGS`; else `default_config`)."""
+    found = _listed(n, k, pdl).get(next_pow2(m))
     return {**default_config(m, n, k, sms), **found} if found else default_config(m, n, k, sms)
 
 
@@ -173,16 +187,19 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
     partial = split > 1
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if partial else out
     bias_arg = bias if bias is not None else out
+    pdl = pdl_options(x2)
+    preload = cfg.get("preload")
+    preload = not dot and (pdl["USE_PDL"] if preload is None else bool(preload))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     with launch_device(x2):
         _gemv_fwd_kernel[grid](
             x2, weight, bias_arg, ws, m, n, k, k_split, x2.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, IEEE=x2.dtype == torch.float32,
-            PARTIAL=partial, HAS_BIAS=bias is not None and not partial, **launch)  # fmt: skip
+            PARTIAL=partial, HAS_BIAS=bias is not None and not partial, PRELOAD=preload, **pdl, **launch)  # fmt: skip
         if partial:
             block = 1024
             _gemv_reduce_kernel[(_cdiv(m * n, block),)](ws, bias_arg, out, m * n, n, split, m * n,
-                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                        HAS_BIAS=bias is not None, BLOCK=block, **pdl, num_warps=4)
     return out
 
 
@@ -208,7 +225,9 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[
             stride: a slice of a stacked buffer is read in place).
         bias (`torch.Tensor` of shape `[N]`, *optional*): added to the fp32 sums before the cast.
         config (`dict`, *optional*): launch settings overriding `gemv_config`'s (benchmarks, tests): `block_n`,
-            `block_k`, `split`, `dot`, `num_warps`, `num_stages`.
+            `block_k`, `split`, `dot`, `num_warps`, `num_stages`, and `preload` (FMA path: each weight tile loaded
+            one iteration ahead, the first before the wait for the previous kernel; default: with programmatic
+            dependent launch, `triton_ops._dispatch.PDL`).
 
     Returns:
         `torch.Tensor` of shape `[..., N]` in `x`'s dtype: the Triton kernel for CUDA tensors, `ref_gemv`
@@ -228,14 +247,15 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     sms = _sms(x)
-    cfg = {**gemv_config(x2.shape[0], n, k, sms), **(config or {})}
+    cfg = {**gemv_config(x2.shape[0], n, k, sms, pdl=pdl_options(x2)["USE_PDL"]), **(config or {})}
     return _gemv_fwd(x2, w, bias.contiguous() if bias is not None else None, cfg, sms).view(*x.shape[:-1], n)
 
 
 def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether `linear` sends this call to the kernel: switched on (`GEMV_TUNING["enabled"]`), at most
-    `max_rows` rows, a shape and row class `GEMV_CONFIGS` does not give to cuBLAS (and lists, with `listed_only`),
-    fp16 / bf16 inputs and weight of one dtype on CUDA with Triton, no gradient and no tracing."""
+    `max_rows` rows, a shape and row class `GEMV_CONFIGS` does not give to cuBLAS (and lists, with `listed_only`;
+    `GEMV_PDL_CONFIGS` too when the launch takes programmatic dependent launch), fp16 / bf16 inputs and weight of one
+    dtype on CUDA with Triton, no gradient and no tracing."""
     if not GEMV_TUNING["enabled"] or torch.compiler.is_compiling():
         return False
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or weight.dim() != 2:
@@ -245,7 +265,7 @@ def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     k = weight.shape[1]
     if x.dim() < 1 or x.shape[-1] != k or k == 0 or not 0 < x.numel() // k <= int(GEMV_TUNING["max_rows"]):
         return False
-    listed = GEMV_CONFIGS.get((weight.shape[0], k), {})
+    listed = _listed(weight.shape[0], k, pdl_options(x)["USE_PDL"])
     row_class = next_pow2(x.numel() // k)
     if listed.get(row_class, ...) is None or (GEMV_TUNING["listed_only"] and not listed.get(row_class)):
         return False  # cuBLAS measured faster, or not measured
