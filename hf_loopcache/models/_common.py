@@ -41,6 +41,7 @@ __all__ = [
     "row_slice",
     "run_row_groups",
     "sandwich_layer",
+    "silu_linear",
     "stacked_linear",
     "stacked_projection",
 ]
@@ -295,6 +296,23 @@ def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) ->
     if y is None:
         return tuple(getattr(owner, name)(x) for name in names)
     return y.split([getattr(owner, name).out_features for name in names], dim=-1)
+
+
+def silu_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(silu(gate) * up)` of `x = [gate | up]` `[..., 2K]` (a gated MLP's stacked gate/up output): a plain
+    `nn.Linear` without hooks goes through `triton_ops.gemv.silu_linear` (one kernel reading the activation as its
+    input where the projection takes the GEMV kernel, else `fused.silu_mul` then `linear`); anything else is called on
+    `fused.silu_mul` of the two halves."""
+    if (
+        type(module) is not nn.Linear
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in module.__dict__
+        or torch.compiler.is_compiling()
+    ):
+        k = x.shape[-1] // 2
+        return module(fused.silu_mul(x[..., :k], x[..., k:]))
+    return gemv.silu_linear(x, module.weight, module.bias)
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
