@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "launch_device",
     "PDL",
     "next_pow2",
+    "no_pdl",
     "pdl_options",
     "pdl_supported",
     "several_gpus",
@@ -93,7 +95,25 @@ Triton that has it (`pdl_supported`). A kernel so launched may start while the p
 runs: it waits (`gdc_wait`) before it reads what an earlier kernel wrote or writes anything, and loads only what no
 kernel writes (a GEMV's weights) before that; it lets the next kernel start once all its programs have waited
 (`gdc_launch_dependents`). Set `enabled` to False for launches as before (read at each launch: a captured CUDA
-graph keeps the setting it was captured with)."""
+graph keeps the setting it was captured with); `no_pdl()` turns it off in a block of one thread.
+
+A GEMV so launched reads its weights before that wait: a weight written by the kernel launched just before it (not
+one kernel earlier: that one has completed by the time the previous kernel passed its own wait) must be read
+without it (`no_pdl()`, or `gemv(..., config={"preload": False})`)."""
+
+_pdl_state = threading.local()
+
+
+@contextlib.contextmanager
+def no_pdl() -> Iterator[None]:
+    """Launch without programmatic dependent launch inside the block (this thread), whatever `PDL["enabled"]` says:
+    e.g. the first GEMV over a weight buffer that the kernel before it has just written."""
+    before = getattr(_pdl_state, "off", False)
+    _pdl_state.off = True
+    try:
+        yield
+    finally:
+        _pdl_state.off = before
 
 
 @functools.cache
@@ -119,10 +139,11 @@ def _hopper_or_newer(index: int) -> bool:
 
 def pdl_options(t: torch.Tensor) -> dict[str, bool]:
     """The launch keywords of a kernel reading `t` with a `USE_PDL` constexpr: `{"USE_PDL": True, "launch_pdl":
-    True}` when `PDL["enabled"]`, `t` is on a CUDA device of compute capability >= 9, Triton supports it and the
+    True}` when `PDL["enabled"]` (and not inside `no_pdl()`), `t` is on a CUDA device of compute capability >= 9, Triton supports it and the
     interpreter is off (it runs no `gdc_*` op); `{"USE_PDL": False}` (the launch as before) otherwise."""
     on = (
         bool(PDL["enabled"])
+        and not getattr(_pdl_state, "off", False)
         and t.is_cuda
         and os.environ.get("TRITON_INTERPRET") != "1"
         and pdl_supported()

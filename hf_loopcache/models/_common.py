@@ -17,6 +17,7 @@ from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProc
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, generate_cache, generate_cache_kwargs
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
 from triton_ops import fused, gemv
+from triton_ops._dispatch import no_pdl
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -280,6 +281,8 @@ def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor
                 lin.weight.data = part
         cached = (buffer, [lin.weight.data_ptr() for lin in linears])
         owner.__dict__.setdefault("_stacked_weights", {})[names] = cached
+        with no_pdl():  # the kernel just before wrote the buffer: no weight read before waiting for it
+            return gemv.linear(x, cached[0])
     return gemv.linear(x, cached[0])
 
 

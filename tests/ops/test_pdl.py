@@ -86,3 +86,33 @@ def test_fused_launchers_pass_the_options(all_on, monkeypatch):
     monkeypatch.setattr(ops, "pdl_options", lambda t: OFF)
     ops.silu_mul(x, x)
     assert seen == [(False, None)]  # off: no launch option at all, as before
+
+
+def test_no_pdl_turns_it_off_in_the_block(all_on):
+    from triton_ops._dispatch import no_pdl
+
+    with no_pdl():
+        assert pdl_options(_cuda_like()) == OFF
+        with no_pdl():
+            pass
+        assert pdl_options(_cuda_like()) == OFF
+    assert pdl_options(_cuda_like()) == ON
+
+
+def test_a_freshly_stacked_weight_is_read_without_pdl(monkeypatch):
+    """The first stacked projection's GEMV follows the kernel that wrote the stacked buffer: it must not read weights
+    before waiting for it, so it runs outside PDL; later calls (the buffer cached) run with it."""
+    from torch import nn
+
+    from hf_loopcache.models import _common
+
+    seen = []
+    monkeypatch.setattr(_common.gemv, "linear",
+                        lambda x, w: seen.append(_dispatch._pdl_state.__dict__.get("off", False)) or x @ w.T)
+    owner = nn.Module()
+    owner.a, owner.b = nn.Linear(8, 4, bias=False), nn.Linear(8, 6, bias=False)
+    x = torch.randn(1, 1, 8)
+    with torch.no_grad():
+        first = _common.stacked_projection(owner, ("a", "b"), x)
+        again = _common.stacked_projection(owner, ("a", "b"), x)
+    assert seen == [True, False] and torch.equal(first, again)

@@ -1,7 +1,7 @@
 """`@triton.jit` kernels of the fused layer ops (launchers in `ops.py`). Each reproduces `reference.py`'s roundings.
 
 `USE_PDL` (programmatic dependent launch, `triton_ops._dispatch.PDL`): a program waits for the previous kernel
-(`gdc_wait`) before it reads an activation or writes, then lets the next kernel launch; only weights load earlier."""
+(`gdc_wait`) before it reads or writes anything, then lets the next kernel launch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, w2_ptr, out2_
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     keep = cols < N
-    w = tl.load(w_ptr + cols, mask=keep, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -29,6 +28,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, w2_ptr, out2_
     x32 = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     normed = (x32 * inv).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=keep, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     if HAS_AFTER:
         res = tl.load(after_ptr + row * N + cols, mask=keep, other=0.0)
