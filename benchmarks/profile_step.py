@@ -9,8 +9,9 @@ launch lets them, count once), `sum_us` their plain sum; `step_ms`: the median d
 (launch, ramp and drain gaps, the host). Modes: `graph` (the captured step: kernels inside graph replays, where the
 profiler sees them) and `static` (the same step eagerly; launch gaps of the host included).
 
-`--check`: greedy tokens and logits of the captured step with programmatic dependent launch on and off
-(`triton_ops._dispatch.PDL`), per cache, on a short prompt.
+`--check`: greedy tokens and logits of the captured step with programmatic dependent launch off, on, off, on
+(`triton_ops._dispatch.PDL`), per cache and batch, on a short prompt: each setting twice (a race shows as two runs
+of one setting that differ), and the settings against each other.
 
     python -m benchmarks.profile_step --caches full kivi4 --pdl off on --out step_profile
 """
@@ -87,24 +88,28 @@ def profile_step(model: Any, cache_name: str, batch: int, context: int, steps: i
 
 
 def check(model: Any, cache_name: str, batch: int, context: int, tokens: int, device: str = "cuda") -> dict[str, Any]:
-    """Greedy tokens and logits of the captured step, PDL off then on."""
+    """Greedy tokens and logits of the captured step, PDL off, on, off, on (a fresh cache and capture each): the two
+    runs of one setting must agree bit for bit (no race), and the tokens across settings."""
     torch.manual_seed(batch + 7)
     ids = torch.randint(1, model.config.vocab_size, (batch, context - tokens), device=device)
-    out = {}
+    runs = []
     before = PDL["enabled"]
     try:
-        for on in (False, True):
+        for on in (False, True, False, True):
             PDL["enabled"] = on
             cache = CACHES[cache_name](model, static=True, max_batch_size=batch, max_cache_len=context)
             _generate(model, cache, ids[:, :64], 3, "graph")
             res = _generate(model, cache, ids, tokens, "graph", return_dict_in_generate=True, output_logits=True)
-            out[on] = (res.sequences.cpu(), torch.stack(res.logits, 1).float().cpu())
+            runs.append((res.sequences.cpu(), torch.stack(res.logits, 1).float().cpu()))
+            del cache
     finally:
         PDL["enabled"] = before
-    (s0, l0), (s1, l1) = out[False], out[True]
+    (s0, l0), (s1, l1), (s2, l2), (s3, l3) = runs
     return {"cache": cache_name, "batch": batch, "context": context, "new_tokens": tokens,
             "tokens_equal": bool(torch.equal(s0, s1)), "logits_max_abs_diff": float((l0 - l1).abs().max()),
-            "logits_max_abs": float(l0.abs().max()), "logits_bitwise_equal": bool(torch.equal(l0, l1))}
+            "logits_max_abs": float(l0.abs().max()), "logits_bitwise_equal": bool(torch.equal(l0, l1)),
+            "off_runs_bitwise_equal": bool(torch.equal(l0, l2) and torch.equal(s0, s2)),
+            "on_runs_bitwise_equal": bool(torch.equal(l1, l3) and torch.equal(s1, s3))}
 
 
 def main(argv: list[str] | None = None) -> None:
