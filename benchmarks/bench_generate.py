@@ -27,7 +27,7 @@ the residual, RoPE, `silu(gate) * up`, one kernel each; the default on CUDA) and
 row says which (`fused_ops`), and token comparisons stay within one setting.
 
 `--pdl on off` measures the step's Triton kernels launched with programmatic dependent launch (`triton_ops._dispatch.PDL`,
-the default where the GPU and Triton have it) and without; the row says whether its launches took it (`pdl`), and a
+off by default; on only where the GPU and Triton have it) and without; the row says whether its launches took it (`pdl`), and a
 `pdl` row records whether its greedy tokens equal the same row's without it (`tokens_equal_pdl_off`, when that ran
 first). `--fuse-silu on off` does the same for Ouro's down projection reading `silu(gate) * up` in its GEMV kernel
 (`triton_ops.gemv.GEMV_TUNING["fuse_silu"]`; row `fuse_silu`, `tokens_equal_fuse_off`).
@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
     parser.add_argument("--fused", nargs="+", default=["on"], choices=("on", "off"),
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
-    parser.add_argument("--pdl", nargs="+", default=["on"], choices=("on", "off"),
+    parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
                         help="the step's Triton kernels with programmatic dependent launch where supported (on) or not")
     parser.add_argument("--fuse-silu", nargs="+", default=["on"], choices=("on", "off"),
                         help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")

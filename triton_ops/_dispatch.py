@@ -88,14 +88,18 @@ def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.device(t.device) if t.is_cuda and several_gpus() else contextlib.nullcontext()
 
 
-PDL: dict[str, Any] = {"enabled": True}
+PDL: dict[str, Any] = {"enabled": False}
 """Programmatic dependent launch of the step's Triton kernels (gemv, the fused layer ops, the static cells' page
 flush, coded attention): `enabled` launches them with `launch_pdl=True` on GPUs of compute capability >= 9 under a
 Triton that has it (`pdl_supported`). A kernel so launched may start while the previous kernel of the stream still
 runs: it waits (`gdc_wait`) before it reads what an earlier kernel wrote or writes anything, and loads only what no
 kernel writes (a GEMV's weights) before that; it lets the next kernel start once all its programs have waited
-(`gdc_launch_dependents`). Set `enabled` to False for launches as before (read at each launch: a captured CUDA
-graph keeps the setting it was captured with); `no_pdl()` turns it off in a block of one thread.
+(`gdc_launch_dependents`). `enabled` is read at each launch (a captured CUDA graph keeps the setting it was captured
+with); `no_pdl()` turns it off in a block of one thread.
+
+Off by default: measured on the H200 (benchmarks/results/generate_h200_s16_pdl.json; Ouro-1.4B's shape, 8K, captured
+step) it gains nothing at batch 1 (full 7.60 -> 7.63 ms, kivi4 9.01 -> 8.82 ms, within the 2-3% between two runs) and
+loses up to 3% at batch 8; the kernels' union on the GPU grew (6.78 -> 7.54 ms per step, full, batch 1).
 
 A GEMV so launched reads its weights before that wait: a weight written by the kernel launched just before it (not
 one kernel earlier: that one has completed by the time the previous kernel passed its own wait) must be read

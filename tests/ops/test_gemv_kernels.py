@@ -244,20 +244,6 @@ def test_table_decides_per_shape_and_row_class(monkeypatch):
     assert ops.gemv_config(8, 32, 64, 132) == ops.default_config(8, 32, 64, 132)
 
 
-def test_pdl_table_routes_only_pdl_launches(monkeypatch):
-    """`GEMV_PDL_CONFIGS` (Ouro's gate/up at one row, a near tie that cuBLAS won) takes the kernel only when the launch
-    takes programmatic dependent launch; without it `GEMV_CONFIGS`' None keeps cuBLAS."""
-    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
-    monkeypatch.setattr(ops, "use_triton", lambda op, *tensors: True)
-    x, w = torch.randn(1, 2048, dtype=torch.bfloat16), torch.empty(11264, 2048, dtype=torch.bfloat16)
-    assert ops.GEMV_CONFIGS[(11264, 2048)][1] is None and not ops.routes(x, w)
-    assert ops.gemv_config(1, 11264, 2048, 132) == ops.default_config(1, 11264, 2048, 132)
-    monkeypatch.setattr(ops, "pdl_options", lambda t: {"USE_PDL": True, "launch_pdl": True})
-    assert ops.routes(x, w)
-    assert not ops.routes(torch.randn(2, 2048, dtype=torch.bfloat16), w)  # the PDL table lists one row only
-    assert ops.gemv_config(1, 11264, 2048, 132, pdl=True) == {**ops.GEMV_PDL_CONFIGS[(11264, 2048)][1]}
-
-
 def test_linear_calls_the_kernel_only_when_routed(monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))

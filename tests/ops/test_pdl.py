@@ -47,8 +47,9 @@ def test_on_only_when_every_condition_holds(all_on):
     assert pdl_options(_cuda_like()) == OFF  # a Triton without it
 
 
-def test_default_is_on():
-    assert PDL["enabled"] is True
+def test_default_is_off():
+    """Off until it measures faster (the H200 numbers in `PDL`'s docstring)."""
+    assert PDL["enabled"] is False
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

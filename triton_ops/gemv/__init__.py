@@ -7,15 +7,13 @@ enough programs to fill the SMs (K split into ranges added in a fixed order when
   decode-sized one on CUDA (`routes`), `F.linear` otherwise. Off by default.
 - `silu_linear(x, weight, bias=None)`: a gated MLP's down projection of `x = [gate | up]`, the activation read in the
   kernel's input load where the projection takes the kernel (`GEMV_TUNING["fuse_silu"]`).
-- `GEMV_TUNING`, `GEMV_CONFIGS`, `GEMV_PDL_CONFIGS`: the switch and defaults, and the measured settings per `(N, K)`
-  and row class (the last: taken only with programmatic dependent launch).
+- `GEMV_TUNING`, `GEMV_CONFIGS`: the switch and defaults, and the measured settings per `(N, K)` and row class.
 
 See `README.md`.
 """
 
 from triton_ops.gemv.ops import (
     GEMV_CONFIGS,
-    GEMV_PDL_CONFIGS,
     GEMV_TUNING,
     default_config,
     gemv,
@@ -28,7 +26,6 @@ from triton_ops.gemv.reference import ref_gemv
 
 __all__ = [
     "GEMV_CONFIGS",
-    "GEMV_PDL_CONFIGS",
     "GEMV_TUNING",
     "default_config",
     "gemv",

@@ -20,7 +20,6 @@ from triton_ops.gemv.reference import ref_gemv
 
 __all__ = [
     "GEMV_CONFIGS",
-    "GEMV_PDL_CONFIGS",
     "GEMV_TUNING",
     "default_config",
     "gemv",
@@ -118,14 +117,6 @@ GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
 for the default rule's), `dot` (tensor cores on rows padded to 16, else FMA), `num_warps`, `num_stages`; None where
 cuBLAS was faster (`linear` keeps `F.linear` there). `gemv` itself takes `default_config` where nothing is listed."""
 
-GEMV_PDL_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any]]] = {
-    # H200 (benchmarks/results/gemv_h200.json): cuBLAS 20.6 us, the kernel 20.7 us without PDL
-    (11264, 2048): {1: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2}},
-}
-"""Shapes and row classes that `GEMV_CONFIGS` gives to cuBLAS by less than 1% but that take the kernel when it is
-launched with programmatic dependent launch (`triton_ops._dispatch.PDL`): cuBLAS is launched without it, so its launch
-cannot overlap the previous kernel's tail, nor the next kernel's its own."""
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -167,15 +158,9 @@ def _split(cfg: dict[str, Any], n: int, k: int, sms: int) -> tuple[int, int]:
     return _cdiv(k, k_split), k_split
 
 
-def _listed(n: int, k: int, pdl: bool) -> dict[int, dict[str, Any] | None]:
-    listed = GEMV_CONFIGS.get((n, k), {})
-    return {**listed, **GEMV_PDL_CONFIGS.get((n, k), {})} if pdl else listed
-
-
-def gemv_config(m: int, n: int, k: int, sms: int, *, pdl: bool = False) -> dict[str, Any]:
-    """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, with `pdl` also
-    `GEMV_PDL_CONFIGS`; else `default_config`)."""
-    found = _listed(n, k, pdl).get(next_pow2(m))
+def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
+    """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, else `default_config`)."""
+    found = GEMV_CONFIGS.get((n, k), {}).get(next_pow2(m))
     return {**default_config(m, n, k, sms), **found} if found else default_config(m, n, k, sms)
 
 
@@ -273,15 +258,14 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     sms = _sms(x)
-    cfg = {**gemv_config(x2.shape[0], n, k, sms, pdl=pdl_options(x2)["USE_PDL"]), **(config or {})}
+    cfg = {**gemv_config(x2.shape[0], n, k, sms), **(config or {})}
     return _gemv_fwd(x2, w, bias.contiguous() if bias is not None else None, cfg, sms, gated).view(*x.shape[:-1], n)
 
 
 def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether `linear` sends this call to the kernel: switched on (`GEMV_TUNING["enabled"]`), at most
-    `max_rows` rows, a shape and row class `GEMV_CONFIGS` does not give to cuBLAS (and lists, with `listed_only`;
-    `GEMV_PDL_CONFIGS` too when the launch takes programmatic dependent launch), fp16 / bf16 inputs and weight of one
-    dtype on CUDA with Triton, no gradient and no tracing."""
+    `max_rows` rows, a shape and row class `GEMV_CONFIGS` does not give to cuBLAS (and lists, with `listed_only`),
+    fp16 / bf16 inputs and weight of one dtype on CUDA with Triton, no gradient and no tracing."""
     if not GEMV_TUNING["enabled"] or torch.compiler.is_compiling():
         return False
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or weight.dim() != 2:
@@ -291,7 +275,7 @@ def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     k = weight.shape[1]
     if x.dim() < 1 or x.shape[-1] != k or k == 0 or not 0 < x.numel() // k <= int(GEMV_TUNING["max_rows"]):
         return False
-    listed = _listed(weight.shape[0], k, pdl_options(x)["USE_PDL"])
+    listed = GEMV_CONFIGS.get((weight.shape[0], k), {})
     row_class = next_pow2(x.numel() // k)
     if listed.get(row_class, ...) is None or (GEMV_TUNING["listed_only"] and not listed.get(row_class)):
         return False  # cuBLAS measured faster, or not measured
