@@ -40,8 +40,7 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
                      IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRELOAD: tl.constexpr,
                      GATED: tl.constexpr, USE_PDL: tl.constexpr):
     """`x` `[M, K]` (GATED: `[M, 2K]`) and `W` `[N, K]` (last axes contiguous); `out` `[M, N]` at row stride
-    `stride_om` (PARTIAL: fp32
-    `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`."""
+    `stride_om` (PARTIAL: fp32 `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`."""
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)
     o_m = tl.arange(0, BLOCK_M)
@@ -52,10 +51,10 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
     k_start = i_s * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     p_x = x_ptr + o_m[:, None] * stride_xm
-    if USE_DOT:
+    if USE_DOT:  # tensor cores, rows padded to 16: x [BM, BK] @ W^T [BK, BN]
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()  # tensor cores, rows padded to 16: x [BM, BK] @ W^T [BK, BN]
+            tl.extra.cuda.gdc_launch_dependents()
         p_w = w_ptr + o_n[None, :] * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
