@@ -25,6 +25,12 @@ the static eager run's (`tokens_equal_static`), with the first generated step th
 `--fused on off` measures the looped models both with their fused layer kernels (`triton_ops.fused`: RMS norm with
 the residual, RoPE, `silu(gate) * up`, one kernel each; the default on CUDA) and op by op (`fused.disabled()`); the
 row says which (`fused_ops`), and token comparisons stay within one setting.
+
+`--pdl on off` measures the step's Triton kernels launched with programmatic dependent launch (`triton_ops._dispatch.PDL`,
+off by default; on only where the GPU and Triton have it) and without; the row says whether its launches took it (`pdl`), and a
+`pdl` row records whether its greedy tokens equal the same row's without it (`tokens_equal_pdl_off`, when that ran
+first). `--fuse-silu on off` does the same for Ouro's down projection reading `silu(gate) * up` in its GEMV kernel
+(`triton_ops.gemv.GEMV_TUNING["fuse_silu"]`; row `fuse_silu`, `tokens_equal_fuse_off`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECach
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
 from hf_loopcache.cache.layers.static import StaticDenseLayer
 from triton_ops import fused
+from triton_ops._dispatch import PDL, pdl_options
+from triton_ops.gemv import GEMV_TUNING
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
     "full": lambda model, **kw: FullLoopCache(model, **kw),
@@ -182,6 +190,7 @@ def run_one(
     prompt's length)."""
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
+    pdl = bool(pdl_options(torch.empty(0, device=device))["USE_PDL"]) if not peer else None
     torch.manual_seed(batch)
     ids = torch.randint(1, vocab, (batch, prompt_len), device=device)
     row: dict[str, Any] = {
@@ -190,6 +199,8 @@ def run_one(
         "mode": "peer" if peer else mode,
         "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
         "fused_ops": fused_ops if not peer else None,
+        "pdl": pdl,
+        "fuse_silu": bool(GEMV_TUNING["fuse_silu"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -289,13 +300,21 @@ def run_one(
             generated=int(out.shape[1] - prompt_len),
         )
         if reference is not None and not peer:
-            key = (shape, cache_name, batch, context, new_tokens, fused_ops)
+            key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_silu"]), pdl)
             reference[(*key, mode)] = out.cpu()
             for other in ("eager", "static"):
                 if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
                     seen = reference[(*key, other)]
                     row[f"tokens_equal_{other}"] = bool(torch.equal(seen, out.cpu()))
                     row[f"first_mismatch_{other}"] = _first_mismatch(seen, out.cpu(), prompt_len)
+            if pdl and (*key[:-1], False, mode) in reference:
+                seen = reference[(*key[:-1], False, mode)]
+                row["tokens_equal_pdl_off"] = bool(torch.equal(seen, out.cpu()))
+                row["first_mismatch_pdl_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
+            if key[-2] and (*key[:-2], False, pdl, mode) in reference:
+                seen = reference[(*key[:-2], False, pdl, mode)]
+                row["tokens_equal_fuse_off"] = bool(torch.equal(seen, out.cpu()))
+                row["first_mismatch_fuse_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
         if not peer:
             row.update(
                 cache_allocated_gib=round(cache.nbytes() / 2**30, 3),
@@ -421,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--graph", action="store_true", help="add the `graph` mode (static + captured decode step)")
     parser.add_argument("--fused", nargs="+", default=["on"], choices=("on", "off"),
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
+    parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
+                        help="the step's Triton kernels with programmatic dependent launch where supported (on) or not")
+    parser.add_argument("--fuse-silu", nargs="+", default=["on"], choices=("on", "off"),
+                        help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -474,16 +497,22 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on in itertools.product(modes, args.fused):
+                for mode, on, fuse, pdl in itertools.product(modes, args.fused, args.fuse_silu, args.pdl):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    with contextlib.nullcontext() if on == "on" else fused.disabled():
-                        row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
-                                      count_kernels=args.count_kernels, mode=mode, reference=reference,
-                                      fused_ops=on == "on", timing=args.timing, warmup_prompt=args.warmup_prompt)
+                    pdl_before, fuse_before = PDL["enabled"], GEMV_TUNING["fuse_silu"]
+                    PDL["enabled"], GEMV_TUNING["fuse_silu"] = pdl == "on", fuse == "on"
+                    try:
+                        with contextlib.nullcontext() if on == "on" else fused.disabled():
+                            row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
+                                          count_kernels=args.count_kernels, mode=mode, reference=reference,
+                                          fused_ops=on == "on", timing=args.timing,
+                                          warmup_prompt=args.warmup_prompt)
+                    finally:
+                        PDL["enabled"], GEMV_TUNING["fuse_silu"] = pdl_before, fuse_before
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -42,3 +42,24 @@ def test_static_loopkv_rows(tmp_path, monkeypatch):
     }
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["tokens_equal_eager"] for r in rows if r["mode"] == "static")
+
+
+def test_pdl_rows_compare_with_pdl_off(tmp_path, monkeypatch):
+    """`--pdl off on`: a row per setting, the switch restored after each; on the CPU no launch takes it (`pdl` False
+    in both rows, so no `tokens_equal_pdl_off`), and with the gate simulated on, the second row compares its tokens
+    with the first's."""
+    from triton_ops._dispatch import PDL
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    before = PDL["enabled"]
+    argv = ["--shapes", "micro-ouro", "--caches", "full", "--modes", "static", "--pdl", "off", "on", "--batches", "1",
+            "--context", "24", "--new-tokens", "3", "--device", "cpu", "--dtype", "float32", "--out", "gen"]
+    bench_generate.main(argv)
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert [r["pdl"] for r in rows] == [False, False] and PDL["enabled"] is before
+    assert not any("tokens_equal_pdl_off" in r for r in rows)
+    monkeypatch.setattr(bench_generate, "pdl_options", lambda t: {"USE_PDL": PDL["enabled"]})
+    bench_generate.main(argv)
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert [r["pdl"] for r in rows] == [False, True] and rows[1]["tokens_equal_pdl_off"] is True
+    assert rows[1]["first_mismatch_pdl_off"] is None and PDL["enabled"] is before

@@ -17,6 +17,7 @@ from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProc
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, generate_cache, generate_cache_kwargs
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
 from triton_ops import fused, gemv
+from triton_ops._dispatch import no_pdl
 
 if TYPE_CHECKING:
     from hf_loopcache.layout import LoopLayout
@@ -41,6 +42,7 @@ __all__ = [
     "row_slice",
     "run_row_groups",
     "sandwich_layer",
+    "silu_linear",
     "stacked_linear",
     "stacked_projection",
 ]
@@ -279,6 +281,8 @@ def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor
                 lin.weight.data = part
         cached = (buffer, [lin.weight.data_ptr() for lin in linears])
         owner.__dict__.setdefault("_stacked_weights", {})[names] = cached
+        with no_pdl():  # the kernel just before wrote the buffer: no weight read before waiting for it
+            return gemv.linear(x, cached[0])
     return gemv.linear(x, cached[0])
 
 
@@ -295,6 +299,23 @@ def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) ->
     if y is None:
         return tuple(getattr(owner, name)(x) for name in names)
     return y.split([getattr(owner, name).out_features for name in names], dim=-1)
+
+
+def silu_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(silu(gate) * up)` of `x = [gate | up]` `[..., 2K]` (a gated MLP's stacked gate/up output): a plain
+    `nn.Linear` without hooks goes through `triton_ops.gemv.silu_linear` (one kernel reading the activation as its
+    input where the projection takes the GEMV kernel, else `fused.silu_mul` then `linear`); anything else is called on
+    `fused.silu_mul` of the two halves."""
+    if (
+        type(module) is not nn.Linear
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in module.__dict__
+        or torch.compiler.is_compiling()
+    ):
+        k = x.shape[-1] // 2
+        return module(fused.silu_mul(x[..., :k], x[..., k:]))
+    return gemv.silu_linear(x, module.weight, module.bias)
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -334,17 +334,20 @@ def test_flush_page_errors_name_the_argument():
 def test_flush_kernel_compiles_for_sm90(nbits, coded, d):
     """The interpreter runs Python, not Triton's compiler (which, e.g., needs one type per name across a branch):
     compile the kernel for sm_90 as a decode step launches it (bf16 ring, Ouro's 128 channels or Huginn-0125's 96 in
-    padded tiles, pages and groups of 32, a validity mask, with and without the `coded` slots and the cell table),
-    with no GPU."""
+    padded tiles, pages and groups of 32, a validity mask, with and without the `coded` slots and the cell table; the
+    static step's launch, with the slots and the table, also with programmatic dependent launch), with no GPU."""
     from triton_ops._dispatch import next_pow2
     from triton_ops.quant.kernels import _flush_page_fwd_kernel as fn
 
     consts = dict(D=d, NBITS=nbits, PAGE=32, GROUP=32, BLOCK_P=32, BLOCK_C=next_pow2(d * nbits // 8),
-                  BLOCK_NG=next_pow2(d // 32), BLOCK_K=8, USE_VALID=True, USE_CODED=coded, TABLE=coded)  # fmt: skip
+                  BLOCK_NG=next_pow2(d // 32), BLOCK_K=8, USE_VALID=True, USE_CODED=coded, TABLE=coded,
+                  USE_PDL=coded)  # fmt: skip
     ptr = dict(k_ptr="bf16", v_ptr="bf16", slots_ptr="i64", valid_ptr="i1", due_ptr="i1", start_ptr="i64",
                floor_ptr="i64", page_ptr="i64", codes_ptr="u8", kscale_ptr="fp16", kzero_ptr="fp16", hi_ptr="u8",
                lo_ptr="u8", vscale_ptr="fp16", vzero_ptr="fp16", coded_ptr="i32", table_ptr="i64")  # fmt: skip
-    assert compile_for_sm90(fn, consts, ptr).asm.get("cubin")
+    compiled = compile_for_sm90(fn, consts, ptr, **({"launch_pdl": True} if coded else {}))
+    assert compiled.asm.get("cubin")
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == coded
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")

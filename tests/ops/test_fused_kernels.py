@@ -232,23 +232,36 @@ def test_rms_norm_pair_off_cuda_is_the_two_norms_bit_for_bit():
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
-@pytest.mark.parametrize("kernel", ["rms_norm_pair", "write_kv"])
-def test_fused_kernels_compile_for_sm90(kernel):
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("kernel", ["rms_norm_pair", "write_kv", "rotate_half", "silu_mul"])
+def test_fused_kernels_compile_for_sm90(kernel, pdl):
     """The interpreter runs Python, not Triton's compiler: compile the kernels for sm_90 as a decode step launches them
-    (bf16, Ouro's hidden 2048 and 128 channels; Huginn's 96 in a ring), with no GPU."""
+    (bf16, Ouro's hidden 2048 and 128 channels; Huginn's 96 in a ring), with no GPU; with programmatic dependent
+    launch the wait and the trigger are there, neither without it."""
     from triton_ops.fused import kernels
 
+    floats: tuple[str, ...] = ()
     if kernel == "rms_norm_pair":
         fn = kernels._rms_norm_kernel
         consts = dict(HAS_BEFORE=False, HAS_AFTER=True, HAS_NEXT=True, BLOCK=2048)
         floats = ("eps", "eps2")
-    else:
+    elif kernel == "write_kv":
         fn = kernels._write_kv_kernel
         consts = dict(D=96, BLOCK_D=128, HAS_MODULO=True, HAS_SINK=True)
-        floats = ()
+    elif kernel == "rotate_half":
+        fn = kernels._rotate_kernel
+        consts = dict(D=128, PAIRS=False, HAS_BIAS=False, BLOCK_H=16)
+    else:
+        fn = kernels._silu_mul_kernel
+        consts = dict(BLOCK=2048)
     ptr = {a: "i64" if a == "pos_ptr" else "bf16" for a in fn.arg_names if a.endswith("_ptr")}
-    compiled = compile_for_sm90(fn, consts, ptr, floats=floats)
+    compiled = compile_for_sm90(fn, {**consts, "USE_PDL": pdl}, ptr, floats=floats,
+                                **({"launch_pdl": True} if pdl else {}))
     assert compiled.asm.get("cubin")
+    ptx = compiled.asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+    if pdl:  # nothing read before the wait
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
 def test_dispatch_takes_the_reference_off_cuda_under_autograd_and_when_disabled(monkeypatch):

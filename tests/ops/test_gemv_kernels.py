@@ -30,6 +30,11 @@ CONFIGS = {
     "fma-bn4": {"block_n": 4, "block_k": 64, "dot": False, "num_warps": 2, "num_stages": 2, "split": 1},
     "dot-split2": {"block_n": 16, "block_k": 32, "dot": True, "num_warps": 4, "num_stages": 2, "split": 2},
     "dot-bn32": {"block_n": 32, "block_k": 64, "dot": True, "num_warps": 4, "num_stages": 3, "split": 1},
+    # the PDL launch's loop (weights one tile ahead, the first before the wait), runnable without PDL
+    "preload-split3": {"block_n": 8, "block_k": 32, "dot": False, "num_warps": 4, "num_stages": 2, "split": 3,
+                       "preload": True},
+    "preload-bn4": {"block_n": 4, "block_k": 64, "dot": False, "num_warps": 2, "num_stages": 2, "split": 1,
+                    "preload": True},
 }
 
 
@@ -70,6 +75,61 @@ def test_gemv_matches_reference(on_cpu, m, n, k, config, dtype):
     _check_close(out, x, w)
 
 
+def _eager_gated(gate_up, w):
+    """The models' eager math: `silu(gate) * up` in the input dtype, then the projection."""
+    k = w.shape[1]
+    return ref_gemv(torch.nn.functional.silu(gate_up[..., :k]) * gate_up[..., k:], w)
+
+
+@kernels
+@pytest.mark.parametrize("config", ["default", "fma-split3", "preload-split3", "preload-bn4", "dot-split2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gated_gemv_is_silu_mul_then_gemv(on_cpu, config, dtype, monkeypatch):
+    """`gated=True` reads `silu(gate) * up` of `x = [gate | up]` as its input: the same bits as the activation
+    kernel's output fed to the plain kernel (the same roundings), close to the eager math; and a seeded fault (the
+    halves swapped, as a kernel reading them the wrong way round would) is caught by the same comparison."""
+    from triton_ops import fused
+    from triton_ops.fused import ops as fused_ops
+
+    if INTERPRET and not torch.cuda.is_available():  # the activation kernel too, not its reference
+        monkeypatch.setattr(fused_ops, "use_triton", lambda op, *tensors: True)
+
+    m, n, k = 3, 40, 100
+    gate_up = _rand((1, m, 2 * k), dtype, 5)
+    w = _rand((n, k), dtype, 6, k**-0.5)
+    out = gemv(gate_up, w, config=CONFIGS[config], gated=True)
+    assert out.shape == (1, m, n)
+    act = fused.silu_mul(gate_up[..., :k], gate_up[..., k:])
+    assert torch.equal(out, gemv(act.contiguous(), w, config=CONFIGS[config]))
+    ref = _eager_gated(gate_up, w)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    swapped = gemv(torch.cat([gate_up[..., k:], gate_up[..., :k]], -1), w, config=CONFIGS[config], gated=True)
+    assert not torch.allclose(swapped, ref, rtol=tol, atol=tol)
+
+
+def test_silu_linear_fuses_only_where_the_projection_takes_the_kernel(monkeypatch):
+    """`silu_linear`: one gated launch when `fuse_silu` and `routes` hold; the activation kernel then `linear`
+    otherwise (CPU, switched off, a shape that cuBLAS takes); every path is the eager math."""
+    calls = []
+    real = ops.gemv
+    monkeypatch.setattr(ops, "gemv", lambda *a, **kw: calls.append(kw.get("gated", False)) or real(*a, **kw))
+    x, w = torch.randn(1, 1, 2 * 64, dtype=torch.float32), torch.randn(32, 64, dtype=torch.float32)
+    torch.testing.assert_close(ops.silu_linear(x, w), _eager_gated(x, w))
+    assert calls == []  # CPU: not routed
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setattr(ops, "routes", lambda x, w, b=None: True)
+    torch.testing.assert_close(ops.silu_linear(x, w), _eager_gated(x, w))
+    assert calls == [True]  # routed: the gated kernel (its CPU reference here)
+    monkeypatch.setitem(GEMV_TUNING, "fuse_silu", False)
+    ops.silu_linear(x, w)
+    assert calls == [True, False]  # off: silu_mul, then the plain projection
+    with pytest.raises(ValueError, match="`x` must end in 2 K = 128"):
+        ops.silu_linear(torch.randn(1, 64), w)
+    with pytest.raises(ValueError, match="`x` must end in 2 K, gate and up, = 128"):
+        gemv(torch.randn(1, 64), w, gated=True)
+
+
 @kernels
 @pytest.mark.parametrize("config", ["fma-split3", "dot-split2"])
 def test_gemv_bias_leading_dims_and_determinism(on_cpu, config):
@@ -102,25 +162,34 @@ def test_gemv_split_rule_fills_the_sms(on_cpu):
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
 @pytest.mark.parametrize("partial", [False, True], ids=["one-split", "splits"])
-def test_gemv_kernel_compiles_for_sm90(dot, partial):
+def test_gemv_kernel_compiles_for_sm90(dot, partial, pdl):
     """The interpreter runs Python, not Triton's compiler: compile both paths for sm_90 as a bf16 decode step
-    launches them (aligned pointers and sizes: vectorized loads), and the reduce kernel, with no GPU."""
+    launches them (aligned pointers and sizes: vectorized loads), and the reduce kernel, with no GPU; with
+    programmatic dependent launch (the FMA path preloading, and reading a gated input as Ouro's down projection does)
+    the wait and the trigger are there, the first weight load before the wait, and neither without it."""
     from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
 
     consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=16 if dot else 8, BLOCK_K=256 if dot else 512, USE_DOT=dot,
-                  IEEE=False, PARTIAL=partial, HAS_BIAS=not partial)  # fmt: skip
+                  IEEE=False, PARTIAL=partial, HAS_BIAS=not partial, PRELOAD=pdl and not dot,
+                  GATED=pdl and not dot, USE_PDL=pdl)  # fmt: skip
     ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32")
     aligned = {"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
                "stride_om", "stride_os"}  # fmt: skip
-    kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=4, num_stages=3)
-    reduce = compile_for_sm90(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024), {**ptr, "out_ptr": "bf16"},
-                              aligned=aligned, num_warps=4)  # fmt: skip
+    opts = {"launch_pdl": True} if pdl else {}
+    kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=4, num_stages=3, **opts)
+    reduce = compile_for_sm90(_gemv_reduce_kernel, dict(HAS_BIAS=True, BLOCK=1024, USE_PDL=pdl),
+                              {**ptr, "out_ptr": "bf16"}, aligned=aligned, num_warps=4, **opts)  # fmt: skip
     assert kernel.asm.get("cubin") and reduce.asm.get("cubin")
     ptx = kernel.asm["ptx"]
     assert ("mma" in ptx) == dot
     assert "ld.global.v4" in ptx or "cp.async" in ptx  # W is read in 16-byte pieces
+    for code in (ptx, reduce.asm["ptx"]):
+        assert ("griddepcontrol.wait" in code) == pdl and ("griddepcontrol.launch_dependents" in code) == pdl
+    if pdl and not dot:  # the weight tile is requested before the wait, `x` after it
+        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
 
 
 # ---- dispatch (any machine) ----

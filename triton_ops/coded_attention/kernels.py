@@ -1515,7 +1515,11 @@ def _coded_attention_fwd_kernel(
     SUB_STAGES: tl.constexpr = 0,
     ROWX: tl.constexpr = False,
     MMA: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -1840,7 +1844,11 @@ def _coded_attention_merge_kernel(
     DH: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # one program per (b, h_kv, row) and BLOCK_D channels: out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s
     # (NS + 1 parts; with BLOCK_S >= NS + 1 each loop is one load, so the merge waits on two loads, not 2 (NS + 1) / 16)
     i_row = tl.program_id(0).to(tl.int64)

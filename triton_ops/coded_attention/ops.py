@@ -19,6 +19,7 @@ from triton_ops._dispatch import (
     check_same_device,
     launch_device,
     next_pow2,
+    pdl_options,
     several_gpus,
     use_triton,
 )
@@ -362,9 +363,10 @@ def _coded_attention_fwd(
         launch = {}
     # v7: `ns * rows` history programs (split-major, the rows of a split adjacent: they read the same codes)
     n_hist = ns * rows if rowx else ns
+    pdl = pdl_options(query)
     if read_prefix:
-        _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **launch)
-    _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **launch)
+        _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **pdl, **launch)
+    _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **pdl, **launch)
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     block_d = min(dp, 32)
@@ -387,6 +389,7 @@ def _coded_attention_fwd(
         DH=d,
         BLOCK_S=min(128, next_pow2(ns + nt)),
         BLOCK_D=block_d,
+        **pdl,
     )
     if count:
         v_precision_stats += stats_part.sum(0).to(v_precision_stats.dtype)

@@ -1,4 +1,7 @@
-"""`@triton.jit` kernels of the fused layer ops (launchers in `ops.py`). Each reproduces `reference.py`'s roundings."""
+"""`@triton.jit` kernels of the fused layer ops (launchers in `ops.py`). Each reproduces `reference.py`'s roundings.
+
+`USE_PDL` (programmatic dependent launch, `triton_ops._dispatch.PDL`): a program waits for the previous kernel
+(`gdc_wait`) before it reads or writes anything, then lets the next kernel launch."""
 
 from __future__ import annotations
 
@@ -8,12 +11,16 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, w2_ptr, out2_ptr, N, eps, eps2,
-                     HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """One program per row: `out = after + w * norm(x + before)`; with `HAS_NEXT` also `out2 = w2 * norm(out)` (the
     next norm of the same row, read from registers: a layer's residual norm and the norm after it in one launch)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     keep = cols < N
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * N + cols, mask=keep, other=0.0)
     if HAS_BEFORE:  # the sum rounds to the activations' dtype before the norm reads it
         x = (x.to(tl.float32) + tl.load(before_ptr + row * N + cols, mask=keep, other=0.0).to(tl.float32)).to(
@@ -37,7 +44,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, before_ptr, after_ptr, out_ptr, w2_ptr, out2_
 
 @triton.jit
 def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, bias_ptr, out_ptr, Q, H, stride_xb, stride_xq, stride_xh, stride_cs,
-                   D: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+                   D: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """One program per (token, block of heads): `x` `[B, Q, H, D]` (last axis contiguous), `out` contiguous,
     `cos`/`sin` one row per token (rotate-half: `D` values in `x`'s dtype; pairs: `D/2` values in fp32), `bias`
     `[H, D]` added first (rounded to `x`'s dtype)."""
@@ -51,6 +59,9 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, bias_ptr, out_ptr, Q, H, stride_xb, 
         partner_d = d ^ 1
     else:
         partner_d = (d + D // 2) % D
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + src + d[None, :], mask=keep, other=0.0)
     partner = tl.load(x_ptr + src + partner_d[None, :], mask=keep, other=0.0)
     if HAS_BIAS:
@@ -74,11 +85,14 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, bias_ptr, out_ptr, Q, H, stride_xb, 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """`out[row] = silu(gate[row]) * up[row]`, rows of `N` values at any row strides; `out` contiguous."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < N
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(g_ptr + row * stride_g + offs, mask=keep, other=0.0)
     u = tl.load(u_ptr + row * stride_u + offs, mask=keep, other=0.0)
     g32 = g.to(tl.float32)
@@ -90,7 +104,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.con
 def _write_kv_kernel(key_ptr, value_ptr, pos_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, H, MODULO, RING_FROM, CLAMP,
                      stride_kb, stride_kh, stride_kq, stride_vb, stride_vh, stride_vq, stride_sb, stride_sh, stride_sn,
                      stride_tb, stride_th, stride_tn,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MODULO: tl.constexpr, HAS_SINK: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MODULO: tl.constexpr, HAS_SINK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """One program per (row and head, new position): `key` / `value` `[B, H, Q, D]` (any strides, last axis
     contiguous) into the storage `k` / `v` `[B, H, N, D]` (the same strides) at slot `pos % MODULO` (positions from
     `RING_FROM` on), and with `HAS_SINK` also into `sk` / `sv` at slot `min(pos, CLAMP)`, cast to the storage's dtype:
@@ -100,6 +115,9 @@ def _write_kv_kernel(key_ptr, value_ptr, pos_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, 
     i_b, i_h = i_bh // H, i_bh % H
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pos = tl.load(pos_ptr + i_q).to(tl.int64)
     b_k = tl.load(key_ptr + i_b * stride_kb + i_h * stride_kh + i_q * stride_kq + o_d, mask=m_d)  # [BLOCK_D]
     b_v = tl.load(value_ptr + i_b * stride_vb + i_h * stride_vh + i_q * stride_vq + o_d, mask=m_d)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import launch_device, next_pow2, use_triton
+from triton_ops._dispatch import launch_device, next_pow2, pdl_options, use_triton
 from triton_ops.fused import reference
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, add_before: Tensor | None, 
             _rms_norm_kernel[(rows,)](xc, weight.contiguous(), before, after, out, w2, out2 if out2 is not None else out,
                                       n, float(eps), eps2, HAS_BEFORE=add_before is not None,
                                       HAS_AFTER=add_after is not None, HAS_NEXT=then is not None, BLOCK=block,
-                                      num_warps=8 if block >= 4096 else 4)
+                                      **pdl_options(x), num_warps=8 if block >= 4096 else 4)
     return out, out2
 
 
@@ -122,7 +122,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor | None, pairs: boo
         with launch_device(x):
             _rotate_kernel[(b * q, _cdiv(h, block_h))](
                 xs, cos, sin, bias_arg, out, q, h, xs.stride(0), xs.stride(1), xs.stride(2), cos.stride(0),
-                D=d, PAIRS=pairs, HAS_BIAS=bias is not None, BLOCK_H=block_h)
+                D=d, PAIRS=pairs, HAS_BIAS=bias is not None, BLOCK_H=block_h, **pdl_options(x))
     return out
 
 
@@ -171,7 +171,8 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     if rows:
         block = min(next_pow2(n), 2048)
         with launch_device(gate):
-            _silu_mul_kernel[(rows, _cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
+            _silu_mul_kernel[(rows, _cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block,
+                                                      **pdl_options(gate))
     return out
 
 
@@ -232,5 +233,5 @@ def _write_kv(k: Tensor, v: Tensor, key: Tensor, value: Tensor, positions: Tenso
             key, value, positions, k, v, sk, sv, h, 1 if modulo is None else int(modulo), max(0, q - n), int(clamp),
             key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
             k.stride(0), k.stride(1), k.stride(2), sk.stride(0), sk.stride(1), sk.stride(2),
-            D=d, BLOCK_D=next_pow2(d), HAS_MODULO=modulo is not None, HAS_SINK=sink is not None,
+            D=d, BLOCK_D=next_pow2(d), HAS_MODULO=modulo is not None, HAS_SINK=sink is not None, **pdl_options(k),
             num_warps=1 if d <= 128 else 2)

@@ -5,12 +5,33 @@ enough programs to fill the SMs (K split into ranges added in a fixed order when
   elsewhere.
 - `linear(x, weight, bias=None)`: the models' projection: `gemv` when `GEMV_TUNING["enabled"]` and the call is a
   decode-sized one on CUDA (`routes`), `F.linear` otherwise. Off by default.
+- `silu_linear(x, weight, bias=None)`: a gated MLP's down projection of `x = [gate | up]`, the activation read in the
+  kernel's input load where the projection takes the kernel (`GEMV_TUNING["fuse_silu"]`).
 - `GEMV_TUNING`, `GEMV_CONFIGS`: the switch and defaults, and the measured settings per `(N, K)` and row class.
 
 See `README.md`.
 """
 
-from triton_ops.gemv.ops import GEMV_CONFIGS, GEMV_TUNING, default_config, gemv, gemv_config, linear, routes
+from triton_ops.gemv.ops import (
+    GEMV_CONFIGS,
+    GEMV_TUNING,
+    default_config,
+    gemv,
+    gemv_config,
+    linear,
+    routes,
+    silu_linear,
+)
 from triton_ops.gemv.reference import ref_gemv
 
-__all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "ref_gemv", "routes"]
+__all__ = [
+    "GEMV_CONFIGS",
+    "GEMV_TUNING",
+    "default_config",
+    "gemv",
+    "gemv_config",
+    "linear",
+    "ref_gemv",
+    "routes",
+    "silu_linear",
+]

@@ -4,6 +4,13 @@
 `(i_n, i_s)` reads the `BLOCK_N` rows of `W` over the `i_s`-th range of `K` once and every row of `x` with it. With
 one split it writes the output (plus bias, in `x`'s dtype); with several it writes fp32 partial sums into a workspace
 `[SPLIT, M, N]` that `_gemv_reduce_kernel` adds in split order (deterministic: no atomics).
+
+`USE_PDL` (programmatic dependent launch, `triton_ops._dispatch.PDL`): every program waits for the previous kernel
+(`gdc_wait`) before it reads `x` or writes, then lets the next kernel launch; with `PRELOAD` (the FMA path) it loads its
+first weight tile before the wait (weights are no kernel's output), and each next tile one iteration ahead.
+
+`GATED` (a gated MLP's down projection): each row of `x` is `[gate | up]`, `2K` values, and the kernel reads
+`silu(gate) * up` (rounded as `triton_ops.fused.silu_mul` rounds it) as its input: no separate activation kernel.
 """
 
 from __future__ import annotations
@@ -12,12 +19,28 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _x_tile(p, m, K, GATED: tl.constexpr):
+    """The input tile at pointers `p` (masked by `m`, 0 outside): `x`, or with `GATED` `silu(gate) * up` of the gate at
+    `p` and the up projection `K` values further (fp32 math, the activation and the product each rounded to the
+    input dtype, as `_silu_mul_kernel`)."""
+    if GATED:
+        b_g = tl.load(p, mask=m, other=0.0)
+        b_u = tl.load(p + K, mask=m, other=0.0)
+        b_g32 = b_g.to(tl.float32)
+        b_a = (b_g32 / (1.0 + tl.exp(-b_g32))).to(b_g.dtype)
+        return (b_a.to(tl.float32) * b_u.to(tl.float32)).to(b_g.dtype)
+    else:
+        return tl.load(p, mask=m, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count of a block
 def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                     IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """`x` `[M, K]` and `W` `[N, K]` (last axes contiguous); `out` `[M, N]` at row stride `stride_om` (PARTIAL: fp32
-    `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`."""
+                     IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRELOAD: tl.constexpr,
+                     GATED: tl.constexpr, USE_PDL: tl.constexpr):
+    """`x` `[M, K]` (GATED: `[M, 2K]`) and `W` `[N, K]` (last axes contiguous); `out` `[M, N]` at row stride
+    `stride_om` (PARTIAL: fp32 `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`."""
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)
     o_m = tl.arange(0, BLOCK_M)
@@ -29,23 +52,44 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
     k_end = tl.minimum(k_start + K_SPLIT, K)
     p_x = x_ptr + o_m[:, None] * stride_xm
     if USE_DOT:  # tensor cores, rows padded to 16: x [BM, BK] @ W^T [BK, BN]
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         p_w = w_ptr + o_n[None, :] * stride_wn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
             m_k = (k + o_k) < K  # (splits end on BLOCK_K multiples: only K cuts a tile)
-            b_x = tl.load(p_x + (k + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            b_x = _x_tile(p_x + (k + o_k)[None, :], m_m[:, None] & m_k[None, :], K, GATED)  # [BM, BK]
             b_w = tl.load(p_w + (k + o_k)[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
             if IEEE:
                 acc = tl.dot(b_x, b_w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(b_x, b_w, acc)
         b_y = acc
+    elif PRELOAD:  # FMA, each weight tile loaded one iteration ahead: the first before the wait for `x`
+        p_w = w_ptr + o_n[:, None] * stride_wn
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        b_w = tl.load(p_w + (k_start + o_k)[None, :], mask=m_n[:, None] & ((k_start + o_k) < k_end)[None, :],
+                      other=0.0)  # [BN, BK]
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        for k in range(k_start, k_end, BLOCK_K):
+            m_k = (k + o_k) < k_end
+            b_x = _x_tile(p_x + (k + o_k)[None, :], m_m[:, None] & m_k[None, :], K, GATED)  # [BM, BK]
+            acc3 += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+            m_next = (k + BLOCK_K + o_k) < k_end  # (all false after the last tile: no bytes read)
+            b_w = tl.load(p_w + (k + BLOCK_K + o_k)[None, :], mask=m_n[:, None] & m_next[None, :], other=0.0)
+        b_y = tl.sum(acc3, axis=2)  # [BM, BN]
     else:  # FMA: products kept per K lane in fp32, reduced across lanes once at the end
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         p_w = w_ptr + o_n[:, None] * stride_wn
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k in range(k_start, k_end, BLOCK_K):
             m_k = (k + o_k) < K  # (splits end on BLOCK_K multiples: only K cuts a tile)
-            b_x = tl.load(p_x + (k + o_k)[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            b_x = _x_tile(p_x + (k + o_k)[None, :], m_m[:, None] & m_k[None, :], K, GATED)  # [BM, BK]
             b_w = tl.load(p_w + (k + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
             acc3 += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
         b_y = tl.sum(acc3, axis=2)  # [BM, BN]
@@ -61,8 +105,11 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
 
 @triton.jit(do_not_specialize=["MN"])
 def _gemv_reduce_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT, stride_os, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """`out [M, N] = sum_s ws[s] (+ bias)`, the splits added in order 0, 1, ...; `out` contiguous."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     o_y = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_y = o_y < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)

@@ -15,10 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import launch_device, next_pow2, use_triton
+from triton_ops._dispatch import launch_device, next_pow2, pdl_options, use_triton
 from triton_ops.gemv.reference import ref_gemv
 
-__all__ = ["GEMV_CONFIGS", "GEMV_TUNING", "default_config", "gemv", "gemv_config", "linear", "routes"]
+__all__ = [
+    "GEMV_CONFIGS",
+    "GEMV_TUNING",
+    "default_config",
+    "gemv",
+    "gemv_config",
+    "linear",
+    "routes",
+    "silu_linear",
+]
 
 GEMV_TUNING: dict[str, Any] = {
     "enabled": True,
@@ -26,13 +35,15 @@ GEMV_TUNING: dict[str, Any] = {
     "max_rows": 16,
     "programs_per_sm": 1,
     "min_split_k": 512,
+    "fuse_silu": True,
 }
 """The models' switch and the defaults: `enabled` sends the decode projections of the native models (`linear`,
 `hf_loopcache.models._common`) to the kernel on CUDA (on: `GEMV_CONFIGS` holds the H200's measured wins); with `listed_only`
 only the shapes and row classes that `GEMV_CONFIGS` lists with settings take it (the measured wins), otherwise every
 shape does (`default_config` where none is listed); `max_rows` is the most rows (all leading dims flattened) that
 take it; `programs_per_sm` is the programs the default split aims at per SM; `min_split_k` the fewest K values one
-split reads."""
+split reads; `fuse_silu` lets `silu_linear` read a gated MLP's activation in the down projection's kernel (one launch
+less per layer call) where that projection takes the kernel."""
 
 GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
     # H200 (torch 2.11, Triton 3.6, bf16; `python -m benchmarks.run gemv`, benchmarks/results/gemv_h200.json): the
@@ -153,12 +164,14 @@ def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
     return {**default_config(m, n, k, sms), **found} if found else default_config(m, n, k, sms)
 
 
-def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, Any], sms: int) -> Tensor:
-    """Launch on `x2` `[M, K]` (last axis contiguous); returns `[M, N]` in `x2`'s dtype."""
+def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, Any], sms: int,
+              gated: bool = False) -> Tensor:
+    """Launch on `x2` `[M, K]` (`gated`: `[M, 2K]`, gate then up; last axis contiguous); returns `[M, N]` in `x2`'s
+    dtype."""
     from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
 
-    m, k = x2.shape
-    n = weight.shape[0]
+    m = x2.shape[0]
+    n, k = weight.shape
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return out
@@ -173,24 +186,30 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
     partial = split > 1
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if partial else out
     bias_arg = bias if bias is not None else out
+    pdl = pdl_options(x2)
+    preload = cfg.get("preload")
+    preload = not dot and (pdl["USE_PDL"] if preload is None else bool(preload))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     with launch_device(x2):
         _gemv_fwd_kernel[grid](
             x2, weight, bias_arg, ws, m, n, k, k_split, x2.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, IEEE=x2.dtype == torch.float32,
-            PARTIAL=partial, HAS_BIAS=bias is not None and not partial, **launch)  # fmt: skip
+            PARTIAL=partial, HAS_BIAS=bias is not None and not partial, PRELOAD=preload, GATED=gated, **pdl,
+            **launch)  # fmt: skip
         if partial:
             block = 1024
             _gemv_reduce_kernel[(_cdiv(m * n, block),)](ws, bias_arg, out, m * n, n, split, m * n,
-                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                        HAS_BIAS=bias is not None, BLOCK=block, **pdl, num_warps=4)
     return out
 
 
-def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool = False) -> None:
     if weight.dim() != 2:
         raise ValueError(f"`weight` must be 2-D [N, K] (nn.Linear layout); got shape {tuple(weight.shape)}")
-    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"`x` must end in K = {weight.shape[1]} (the `weight`'s in_features); got shape "
+    width = 2 * weight.shape[1] if gated else weight.shape[1]
+    if x.dim() < 1 or x.shape[-1] != width:
+        what = "2 K, gate and up," if gated else "K"
+        raise ValueError(f"`x` must end in {what} = {width} (K: the `weight`'s in_features); got shape "
                          f"{tuple(x.shape)}")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"`x` and `weight` must share one dtype of float16, bfloat16, float32; got {x.dtype} and "
@@ -199,16 +218,23 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise ValueError(f"`bias` must be [{weight.shape[0]}] in {x.dtype}; got {tuple(bias.shape)} {bias.dtype}")
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[str, Any] | None = None) -> Tensor:
-    """`x @ weight.T (+ bias)` for inputs of a few rows, reading `weight` once (fp32 accumulation).
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[str, Any] | None = None,
+         gated: bool = False) -> Tensor:
+    """`x @ weight.T (+ bias)` for inputs of a few rows, reading `weight` once (fp32 accumulation); with `gated`,
+    `silu(gate) * up @ weight.T` of `x = [gate | up]` (a gated MLP's down projection, the activation read in the
+    kernel's input load: `triton_ops.fused.silu_mul`'s roundings, no separate launch).
 
     Args:
         x (`torch.Tensor` of shape `[..., K]`): fp16 / bf16 (fp32 for tests); all leading dims are rows.
         weight (`torch.Tensor` of shape `[N, K]`): `nn.Linear` layout, same dtype, last axis contiguous (rows at any
             stride: a slice of a stacked buffer is read in place).
         bias (`torch.Tensor` of shape `[N]`, *optional*): added to the fp32 sums before the cast.
+        gated (`bool`, *optional*, defaults to `False`): `x` is `[..., 2K]`, the gate's `K` values then the up
+            projection's (one stacked projection's output).
         config (`dict`, *optional*): launch settings overriding `gemv_config`'s (benchmarks, tests): `block_n`,
-            `block_k`, `split`, `dot`, `num_warps`, `num_stages`.
+            `block_k`, `split`, `dot`, `num_warps`, `num_stages`, and `preload` (FMA path: each weight tile loaded
+            one iteration ahead, the first before the wait for the previous kernel; default: with programmatic
+            dependent launch, `triton_ops._dispatch.PDL`).
 
     Returns:
         `torch.Tensor` of shape `[..., N]` in `x`'s dtype: the Triton kernel for CUDA tensors, `ref_gemv`
@@ -219,17 +245,21 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, config: dict[
         >>> y.shape
         torch.Size([1, 1, 96])
     """
-    _check(x, weight, bias)
-    if not use_triton("gemv", x, weight, *([bias] if bias is not None else [])):
-        return ref_gemv(x, weight, bias)
+    _check(x, weight, bias, gated)
     k, n = weight.shape[1], weight.shape[0]
-    x2 = x.reshape(-1, k)
+    if not use_triton("gemv", x, weight, *([bias] if bias is not None else [])):
+        if gated:
+            from triton_ops.fused.reference import ref_silu_mul
+
+            return ref_gemv(ref_silu_mul(x[..., :k], x[..., k:]), weight, bias)
+        return ref_gemv(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     sms = _sms(x)
     cfg = {**gemv_config(x2.shape[0], n, k, sms), **(config or {})}
-    return _gemv_fwd(x2, w, bias.contiguous() if bias is not None else None, cfg, sms).view(*x.shape[:-1], n)
+    return _gemv_fwd(x2, w, bias.contiguous() if bias is not None else None, cfg, sms, gated).view(*x.shape[:-1], n)
 
 
 def routes(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
@@ -259,3 +289,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if routes(x, weight, bias):
         return gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(silu(gate) * up, weight, bias)` of `x = [gate | up]` `[..., 2K]` (a gated MLP's stacked gate/up
+    output and its down projection `weight` `[N, K]`): one `gemv(..., gated=True)` launch when `GEMV_TUNING["fuse_silu"]`
+    and `routes` sends the projection to the kernel; `triton_ops.fused.silu_mul` then `linear` otherwise."""
+    k = weight.shape[-1]
+    if x.shape[-1] != 2 * k:
+        raise ValueError(f"`x` must end in 2 K = {2 * k} (gate and up; K: the `weight`'s in_features); got shape "
+                         f"{tuple(x.shape)}")
+    gate, up = x[..., :k], x[..., k:]
+    if GEMV_TUNING["fuse_silu"] and x.stride(-1) == 1 and routes(gate, weight, bias):
+        return gemv(x, weight, bias, gated=True)
+    from triton_ops import fused
+
+    return linear(fused.silu_mul(gate, up), weight, bias)

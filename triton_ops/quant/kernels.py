@@ -306,7 +306,11 @@ def _flush_page_fwd_kernel(
     USE_VALID: tl.constexpr,
     USE_CODED: tl.constexpr,
     TABLE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: wait for the previous kernel before anything else
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # one program per (b * h, keys | values, page k of the K): when the device-side geometry says the page is due
     # and the ring still holds it, gather its PAGE positions from the ring slots, quantize them and write its page;
     # otherwise exit at once. With USE_CODED a page is coded only where this program's slot does not hold it yet (it

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from triton_ops._dispatch import launch_device, next_pow2, use_triton
+from triton_ops._dispatch import launch_device, next_pow2, pdl_options, use_triton
 from triton_ops.quant import naive
 from triton_ops.quant.naive import (
     DEFAULT_GROUP_SIZE,
@@ -297,6 +297,7 @@ def _flush_page_fwd(
         USE_VALID=valid is not None,
         USE_CODED=coded is not None,
         TABLE=table is not None,
+        **pdl_options(ring_key),
     )
 
 

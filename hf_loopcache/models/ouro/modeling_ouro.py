@@ -43,6 +43,7 @@ from hf_loopcache.models._common import (
     row_slice,
     run_row_groups,
     sandwich_layer,
+    silu_linear,
     stacked_linear,
     stacked_projection,
 )
@@ -81,9 +82,12 @@ class OuroMLP(nn.Module):
         self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.hidden_act == "silu":
+            gate_up = stacked_projection(self, ("gate_proj", "up_proj"), x)
+            if gate_up is not None:  # a short input: the activation read by the down projection's kernel on CUDA
+                return silu_linear(self.down_proj, gate_up)
+            return linear(self.down_proj, fused.silu_mul(self.gate_proj(x), self.up_proj(x)))  # one kernel on CUDA
         gate, up = stacked_linear(self, ("gate_proj", "up_proj"), x)
-        if self.config.hidden_act == "silu":  # one kernel on CUDA (`triton_ops.fused`)
-            return linear(self.down_proj, fused.silu_mul(gate, up))
         return linear(self.down_proj, self.act_fn(gate) * up)
 
 
