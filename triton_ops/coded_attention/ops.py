@@ -35,7 +35,8 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4,
+    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
+    "mma_warps": 1,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -187,11 +188,20 @@ def _coded_attention_fwd(
         raise ValueError(f"`tuning['mma_rows_min']` must be an int in [0, 16] (0: off), got {mma_rows_min!r}")
     # v8 by default from `mma_rows_min` rows per KV head on (at one warp: the H200's fastest v8 setting); `mma`
     # asks for it at any row count with the configured warps
+    mma_vprec = tune.get("mma_vprec", False)
+    if mma_vprec not in (0, 1) or not isinstance(mma_vprec, (bool, int)):
+        raise ValueError(f"`tuning['mma_vprec']` must be a bool (or 0 / 1), got {mma_vprec!r}")
+    mma_stages = tune.get("mma_stages", 1)
+    if isinstance(mma_stages, bool) or mma_stages not in (1, 2, 3, 4):
+        raise ValueError(f"`tuning['mma_stages']` must be 1, 2, 3 or 4, got {mma_stages!r}")
+    mma_warps = tune.get("mma_warps", 1)
+    if isinstance(mma_warps, bool) or mma_warps not in (1, 2, 4):
+        raise ValueError(f"`tuning['mma_warps']` must be 1, 2 or 4, got {mma_warps!r}")
     mma_auto = not mma and 0 < mma_rows_min <= rows
     mma = mma or mma_auto
-    # v8: 1..16 rows per KV head over coded history without V precision, on tensor cores (value groups and the
-    # groups per padded head dim powers of two: the value words are read as a [page, groups, group / 16] tile)
-    mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
+    # v8: 1..16 rows per KV head over coded history on tensor cores (value groups and the groups per padded head dim
+    # powers of two: the value words are read as a [page, groups, group / 16] tile); V precision with `mma_vprec` (v9)
+    mma = bool(mma) and bool(fmt) and rows <= 16 and (not use_vprec or bool(mma_vprec)) and not vgroup & (vgroup - 1)
     mma = mma and dp % vgroup == 0 and not (dp // vgroup) & (dp // vgroup - 1) and bool(tune["enabled"])
     mma = mma and vgroup % 16 == 0 and _word_aligned(hk, hv, hvl)  # v8 reads codes as 32-bit words too
     rows_max = 0 if mma else rows_max
@@ -232,6 +242,8 @@ def _coded_attention_fwd(
         # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
         # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
+        if mma:  # v9: v8's split count unless the row blocks alone fill the SMs at its programs per SM
+            fill = per_sm
         if use_vprec and base_h >= fill * sms:
             ns = 1
         else:
@@ -350,10 +362,11 @@ def _coded_attention_fwd(
             SUB_STAGES=sub_stages if v6 else 0,
             ROWX=rowx,
             MMA=mma,
+            MMA_STAGES=mma_stages if mma else 1,
         )
 
     if row1 or mma:
-        launch = {"num_warps": 1 if mma_auto and mma else num_warps, "num_stages": tune["num_stages"]}
+        launch = {"num_warps": mma_warps if mma_auto and mma else num_warps, "num_stages": tune["num_stages"]}
         if maxnreg is not None:
             launch["maxnreg"] = maxnreg  # v6: more programs per SM by registers (`ROW1_TUNING`)
     elif not fmt:
