@@ -192,10 +192,10 @@ def _coded_attention_fwd(
     if mma_vprec not in (0, 1) or not isinstance(mma_vprec, (bool, int)):
         raise ValueError(f"`tuning['mma_vprec']` must be a bool (or 0 / 1), got {mma_vprec!r}")
     mma_stages = tune.get("mma_stages", 1)
-    if isinstance(mma_stages, bool) or mma_stages not in (1, 2, 3, 4):
+    if isinstance(mma_stages, bool) or not isinstance(mma_stages, int) or mma_stages not in (1, 2, 3, 4):
         raise ValueError(f"`tuning['mma_stages']` must be 1, 2, 3 or 4, got {mma_stages!r}")
     mma_warps = tune.get("mma_warps", 1)
-    if isinstance(mma_warps, bool) or mma_warps not in (1, 2, 4):
+    if isinstance(mma_warps, bool) or not isinstance(mma_warps, int) or mma_warps not in (1, 2, 4):
         raise ValueError(f"`tuning['mma_warps']` must be 1, 2 or 4, got {mma_warps!r}")
     mma_auto = not mma and 0 < mma_rows_min <= rows
     mma = mma or mma_auto
