@@ -537,7 +537,7 @@ def test_mma_vprec_matches_reference(case, dtype, launches):
 
 
 def test_mma_vprec_all_cold_reads_hi_only(launches):
-    """A sink holding a key along every query (2 q: its score towers over every history score, tau 0.5): every
+    """A sink holding a key along every query (q itself: its score towers over every history score, tau 0.5): every
     history token is cold for every row, no page loads `lo` (the kernel skips the hot dots) and the output is the
     reference's `hi`-plane-only read; with tau 0 and a flat sink the page maxima themselves are hot. The counts
     match the reference."""
@@ -545,14 +545,15 @@ def test_mma_vprec_all_cold_reads_hi_only(launches):
         case = Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, S=5, spread=40, splits=2, lean=0.0)
         data = _build(case, torch.float32)
         if tower:
-            data["parts"]["sk"] = 2.0 * data["q"][:, :, :5]
+            data["parts"]["sk"] = data["q"][:, :, :5].clone()
         data["tau"] = tau
         stats_k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
         out, lse = _run_kernel(data, stats=stats_k, tuning={"mma": True})
         stats_r = torch.zeros(2, dtype=torch.int64)
         ref, ref_lse = _reference(data, stats=stats_r)
         assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], (tower, tau)
-        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=0)
+        # the sink's score makes lse ~20: fp32 rounding of it is ~2e-6 (the H200 gave 1.06e-5 at lse ~45)
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=1e-6)
         assert stats_k.tolist() == stats_r.tolist(), (stats_k, stats_r)
         assert (stats_r[0] == stats_r[1]).item() == all_cold and stats_r[1] > 0, stats_r
     assert all(x[4] for x in launches), launches
