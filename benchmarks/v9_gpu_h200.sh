@@ -22,11 +22,14 @@ step() {  # step SECONDS NAME ARGS...: run the tuner with at most SECONDS (and w
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee $L
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a $L
 C=1,2,1,8,1  # ROW1_TUNING's default (5 tokens: v8 at one warp, mma_stages 1 = the old v8)
-step 60 q5_int4 --queries 5 --providers int4 --configs $C $C,mma_stages=2 $C,mma_stages=3 $C,mma_stages=3,mma_warps=2
-step 50 q5_vprec --queries 5 --providers int4-vprec --configs $C,mma_vprec=0 $C $C,mma_stages=3
-step 25 q5_int2 --queries 5 --providers int2 --configs $C $C,mma_stages=3
-step 20 q1 --queries 1 --providers int4 int2 --configs $C
-step 15 q4_int4 --queries 4 --providers int4 --configs $C $C,mma_stages=3
+S3=$C,mma_stages=3
+step 75 q5_int4 --queries 5 --providers int4 --configs $C $C,mma_stages=2 $S3 $C,mma_programs_per_sm=7 \
+  $S3,mma_programs_per_sm=7 $S3,mma_warps=2 $S3,mma_warps=2,mma_programs_per_sm=5
+step 55 q5_vprec --queries 5 --providers int4-vprec --configs $C,mma_vprec=0 $C $S3 $S3,mma_programs_per_sm=7 \
+  $C,mma_programs_per_sm=7
+step 25 q5_int2 --queries 5 --providers int2 --configs $C $S3 $S3,mma_programs_per_sm=7
+step 15 q1 --queries 1 --providers int4 int2 --configs $C
+step 10 q4_int4 --queries 4 --providers int4 --configs $C $S3,mma_programs_per_sm=7
 l=$(left)
 if [ "$l" -ge 15 ]; then
   echo "== pytest (timeout ${l}s)" | tee -a $L

@@ -560,11 +560,17 @@ def test_mma_vprec_all_cold_reads_hi_only(launches):
 
 
 def test_mma_pipelined_settings_match_reference(launches):
-    """v9 settings `mma_stages` (the page loop as `tl.range(num_stages=...)`) and `mma_warps` (warps of the default
-    v8 launch): the same results (the interpreter runs the same code; the launch options are checked)."""
+    """v9 settings `mma_stages` (the page loop as `tl.range(num_stages=...)`), `mma_warps` (warps of the default v8
+    launch) and `mma_programs_per_sm`: the same results (the interpreter runs the same code; the launch options and
+    the split count are checked)."""
     case = Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, spread=40, splits=2, B=2, pad=True, lean=0.3)
     _check(case, torch.float16, tuning={"mma_stages": 3, "mma_warps": 2})
     assert launches and all(x[4] and x[5] == 2 for x in launches), launches
+    # `mma_programs_per_sm`: the split count v8 aims at (the interpreter counts 4 SMs): 1 per SM over 2 KV heads
+    # gives 2 splits of the 10 pages, then the tail program
+    launches.clear()
+    _check(Case(hist=300, Q=5, Hq=2, Hkv=2, D=64, vprec=False, lean=0.3), torch.float32, tuning={"mma_programs_per_sm": 1})
+    assert [(x[4], x[3]) for x in launches] == [(True, 3)], launches
 
 
 def test_mma_is_validated():
@@ -587,6 +593,9 @@ def test_mma_is_validated():
     for bad in (0, 3, 2.0, True):
         with pytest.raises(ValueError, match=r"tuning\['mma_warps'\]"):
             _run_kernel(data, tuning={"mma_warps": bad})
+    for bad in (0, 33, 7.0, True):
+        with pytest.raises(ValueError, match=r"tuning\['mma_programs_per_sm'\]"):
+            _run_kernel(data, tuning={"mma_programs_per_sm": bad})
 
 
 DENSE_CASES = [c for c in CPU_CASES if not c.fmt]

@@ -36,7 +36,7 @@ ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
-    "mma_warps": 1,
+    "mma_warps": 1, "mma_programs_per_sm": 8,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -197,6 +197,9 @@ def _coded_attention_fwd(
     mma_warps = tune.get("mma_warps", 1)
     if isinstance(mma_warps, bool) or not isinstance(mma_warps, int) or mma_warps not in (1, 2, 4):
         raise ValueError(f"`tuning['mma_warps']` must be 1, 2 or 4, got {mma_warps!r}")
+    mma_per_sm = tune.get("mma_programs_per_sm", tune["programs_per_sm"])
+    if isinstance(mma_per_sm, bool) or not isinstance(mma_per_sm, int) or not 1 <= mma_per_sm <= 32:
+        raise ValueError(f"`tuning['mma_programs_per_sm']` must be an int in [1, 32], got {mma_per_sm!r}")
     mma_auto = not mma and 0 < mma_rows_min <= rows
     mma = mma or mma_auto
     # v8: 1..16 rows per KV head over coded history on tensor cores (value groups and the groups per padded head dim
@@ -238,7 +241,7 @@ def _coded_attention_fwd(
         ns = min(num_splits, n_pages)
     else:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
-        per_sm = tune["programs_per_sm"] if row1 or mma else (4 if fmt else dense["programs_per_sm"])
+        per_sm = tune["programs_per_sm"] if row1 else mma_per_sm if mma else (4 if fmt else dense["programs_per_sm"])
         # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
         # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
