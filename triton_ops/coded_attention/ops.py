@@ -79,7 +79,16 @@ at any row count with this dict's `num_warps` / `num_stages`. H200 (bf16, graph 
 3147.8); v7's 2-token block (30.5 / 187.1 / 361.7 us) is faster than v8's cost, which hardly depends on the rows,
 hence 4; decode (one row) 32.5 / 267.5 / 472.8 us against v4 / v6's 22.1 / 117.7 / 197.1, so decode keeps those.
 Offline sm_90 SASS: 5.5 instructions per code element at 2 warps (v4: 4.4), 1.1 per element per row for a 5-row
-block (the general path 3.2; `benchmarks/notes_coded_attention.md`, v8)."""
+block (the general path 3.2; `benchmarks/notes_coded_attention.md`, v8).
+
+v9 (session 16; `benchmarks/notes_coded_attention.md`, v9; H200 at 8K x 1 / 8 / 16, 5 tokens,
+`benchmarks/results/coded_attention_h200_v9_q5.json`): `mma_vprec` (default True) runs V precision on v8 too
+(`kernels._codes_history_mma`: the `hi` plane for every token, `lo` dots only where a row reads the token hot; v8's
+own page-maxima pass): 76.6 / 538.1 / 956.0 us against v7's 130.3 / 636.9 / 986.2 (80% cold); False restores v7 for
+those calls. `mma_stages` (1..4, default 1): v8's page loop as `tl.range(num_stages=...)` (within 2% of 1: 316.5 /
+544.4 at 2 against 322.4 / 558.4 at 8K x 8 / 16); `mma_warps` (1, 2, 4; default 1): the warps of the default v8
+launch (2 warps with stages 3: 277.9 / 485.1 at 8 / 16 but 55.0 against 40.2 at batch 1); `mma_programs_per_sm`
+(default 8): the split count v8 aims at (7, one wave of programs: slower, 340.8 / 670.0)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
