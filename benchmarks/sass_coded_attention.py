@@ -40,6 +40,7 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
         D=128, DH=128, PAGE=32, VGROUP=32, KV_FMT=fmt, BLOCK_R=16, BLOCK_T=32, BLOCK_PM=64, USE_VALID=False,
         USE_VPREC=vprec, COUNT=False, READ_PREFIX=False, PAGE_MAX_ONLY=False, IEEE=dtype == "fp32", ROW1=True,
         NP=pages, DEV_LEN=False, VPIPE=False, SCORES=False, VUNROLL=False, SUB=1, SUB_STAGES=0, ROWX=False, MMA=False,
+        MMA_STAGES=1,
     )  # fmt: skip
     consts.update(extra or {})
     ptr_types = dict(

@@ -429,24 +429,28 @@ def test_verification_blocks_keep_the_general_path(case, tune, launches):
     [
         (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "v7"),  # 3 rows per KV head
         (Case(hist=64, Q=2, Hq=4, Hkv=2, D=64, vprec=False, splits=2), "v8"),  # GQA 2 x 2 tokens: 4 rows
-        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, splits=2), "v7"),  # V precision: v8 does not take it
+        (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, splits=2), "v8"),  # V precision: v8 too (v9, `mma_vprec`)
+        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, splits=2), "v7"),  # V precision, 3 rows: v7
         (Case(hist=64, Q=1, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "decode"),
     ],
-    ids=["3-rows", "4-rows", "vprec", "decode"],
+    ids=["3-rows", "4-rows", "vprec", "vprec-3-rows", "decode"],
 )
 def test_default_paths_by_rows(case, path, launches):
     """The session-15 H200 sweeps set the defaults (`ROW1_TUNING`): a block of 2-3 rows per KV head takes v7
     (`rows_max` 16; 2 tokens at 8K x 8 in 187 against the general path's 502 us), of 4 rows or more v8 at one warp
-    (`mma_rows_min` 4; 5 tokens in 272 against v7's 413), V precision v7 (v8 has none), decode v4 / v6."""
+    (`mma_rows_min` 4; 5 tokens in 272 against v7's 413), with V precision too (v9, `mma_vprec`; session 16),
+    decode v4 / v6. V precision across splits runs v8's page-maxima pass first (two launches, both v8)."""
     from triton_ops.coded_attention import ops
 
     assert ops.ROW1_TUNING["rows_max"] == 16 and ops.ROW1_TUNING["mma_rows_min"] == 4
+    assert ops.ROW1_TUNING["mma_vprec"] is True
     _check(case, torch.float32)
     rowx, row1, _, _, mma, warps = launches[-1]
     assert (rowx, mma) == {"v7": (True, False), "v8": (False, True), "decode": (False, False)}[path], launches
     assert row1 == (path != "v8"), launches
     if path == "v8":
-        assert warps == 1, launches  # the H200's fastest v8 setting, whatever `num_warps` the one-row path uses
+        assert warps == ops.ROW1_TUNING["mma_warps"], launches  # whatever `num_warps` the one-row path uses
+        assert all(x[4] for x in launches), launches  # the page-maxima pass too
 
 
 def test_rows_max_is_validated():
@@ -482,16 +486,17 @@ def test_mma_history_matches_reference(case, dtype, launches):
 @pytest.mark.parametrize(
     "case, tune",
     [
-        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, spread=40, splits=2, lean=0.3), {"mma": True}),  # V precision
+        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, spread=40, splits=2, lean=0.3), {"mma": True, "mma_vprec": False}),
         (Case(hist=40, Q=9, Hq=4, Hkv=2, D=64, vprec=False, splits=2), {"mma": True}),  # 18 rows > 16
         (Case(hist=64, Q=2, Hq=2, Hkv=2, D=32, fmt=0, splits=2), {"mma": True}),  # dense history
         (Case(hist=64, Q=2, Hq=2, Hkv=2, D=64, vprec=False, splits=2), {"mma": True, "enabled": False}),
     ],
-    ids=["vprec", "rows-over-16", "dense", "disabled"],
+    ids=["vprec-off", "rows-over-16", "dense", "disabled"],
 )
 def test_mma_history_leaves_other_calls_alone(case, tune, launches):
-    """Where v8 does not apply (V precision, more than 16 rows per KV head, a dense history, the coded fast paths
-    disabled) the call takes the path it takes without `mma`, and matches the reference."""
+    """Where v8 does not apply (V precision with `mma_vprec` off: v7, the pre-v9 path; more than 16 rows per KV
+    head, a dense history, the coded fast paths disabled) the call takes the path it takes without `mma`, and
+    matches the reference."""
     _check(case, torch.float32, tuning=tune)
     assert launches and not any(x[4] for x in launches), launches
 
@@ -510,6 +515,64 @@ def test_mma_rows_read_their_own_bounds(launches):
     assert [x[4] for x in launches] == [True], launches
 
 
+MMA_VPREC_CASES = [
+    # v9: V precision on v8. A 5-token block over INT4 codes, padding holes, per-query bounds across pages, two
+    # splits (v8's page-maxima pass first); hot and cold tokens mix inside pages (fp32's tau 4: ~70% cold)
+    Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, spread=40, splits=2, B=2, pad=True, lean=0.3),
+    # GQA 2 x 3 tokens at a padded head dim (96, guard columns), one split (the sink alone seeds the maximum)
+    Case(hist=80, Q=3, Hq=4, Hkv=2, D=96, spread=40, splits=1, guard=True, lean=0.3),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in MMA_VPREC_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mma_vprec_matches_reference(case, dtype, launches):
+    """v9 (`ROW1_TUNING["mma_vprec"]`): V precision on the tensor-core loop: `P @ Vcold` from the `hi` plane for every
+    token plus `P_hot @ (lo - 1.5) * scale` where a row reads the token hot, the cold set from the running maximum
+    seeded by the sink and the page maxima (the earlier splits' from v8's own first pass) equals the reference's
+    output, lse and cold counts on the same codes; every launch runs v8."""
+    _check(case, dtype, tuning={"mma": True})
+    two = (case.splits or 1) > 1
+    assert [(x[4], x[0], x[1]) for x in launches] == [(True, False, False)] * (2 if two else 1), launches
+
+
+def test_mma_vprec_all_cold_reads_hi_only(launches):
+    """A sink holding a key along every query (q itself: its score towers over every history score, tau 0.5): every
+    history token is cold for every row, no page loads `lo` (the kernel skips the hot dots) and the output is the
+    reference's `hi`-plane-only read; with tau 0 and a flat sink the page maxima themselves are hot. The counts
+    match the reference."""
+    for tower, tau, all_cold in ((True, 0.5, True), (False, 0.0, False)):
+        case = Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, S=5, spread=40, splits=2, lean=0.0)
+        data = _build(case, torch.float32)
+        if tower:
+            data["parts"]["sk"] = data["q"][:, :, :5].clone()
+        data["tau"] = tau
+        stats_k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        out, lse = _run_kernel(data, stats=stats_k, tuning={"mma": True})
+        stats_r = torch.zeros(2, dtype=torch.int64)
+        ref, ref_lse = _reference(data, stats=stats_r)
+        assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32], (tower, tau)
+        # the sink's score makes lse ~20: fp32 rounding of it is ~2e-6 (the H200 gave 1.06e-5 at lse ~45)
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[torch.float32], rtol=1e-6)
+        assert stats_k.tolist() == stats_r.tolist(), (stats_k, stats_r)
+        assert (stats_r[0] == stats_r[1]).item() == all_cold and stats_r[1] > 0, stats_r
+    assert all(x[4] for x in launches), launches
+
+
+def test_mma_pipelined_settings_match_reference(launches):
+    """v9 settings `mma_stages` (the page loop as `tl.range(num_stages=...)`), `mma_warps` (warps of the default v8
+    launch) and `mma_programs_per_sm`: the same results (the interpreter runs the same code; the launch options and
+    the split count are checked)."""
+    case = Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, spread=40, splits=2, B=2, pad=True, lean=0.3)
+    _check(case, torch.float16, tuning={"mma_stages": 3, "mma_warps": 2})
+    assert launches and all(x[4] and x[5] == 2 for x in launches), launches
+    # `mma_programs_per_sm`: the split count v8 aims at (the interpreter counts 4 SMs): 1 per SM over 2 KV heads
+    # gives 2 splits of the 10 pages, then the tail program
+    launches.clear()
+    _check(Case(hist=300, Q=5, Hq=2, Hkv=2, D=64, vprec=False, lean=0.3), torch.float32, tuning={"mma_programs_per_sm": 1})
+    assert [(x[4], x[3]) for x in launches] == [(True, 3)], launches
+
+
 def test_mma_is_validated():
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
@@ -521,6 +584,18 @@ def test_mma_is_validated():
     for bad in (17, -1, 1.0, True, None):
         with pytest.raises(ValueError, match=r"tuning\['mma_rows_min'\]"):
             _run_kernel(data, tuning={"mma_rows_min": bad})
+    for bad in (2, 1.0, "1", None):
+        with pytest.raises(ValueError, match=r"tuning\['mma_vprec'\]"):
+            _run_kernel(data, tuning={"mma_vprec": bad})
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match=r"tuning\['mma_stages'\]"):
+            _run_kernel(data, tuning={"mma_stages": bad})
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match=r"tuning\['mma_warps'\]"):
+            _run_kernel(data, tuning={"mma_warps": bad})
+    for bad in (0, 33, 7.0, True):
+        with pytest.raises(ValueError, match=r"tuning\['mma_programs_per_sm'\]"):
+            _run_kernel(data, tuning={"mma_programs_per_sm": bad})
 
 
 DENSE_CASES = [c for c in CPU_CASES if not c.fmt]

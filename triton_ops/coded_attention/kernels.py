@@ -1225,6 +1225,53 @@ def _mma_values(w_a, w_c, magic, b_vs, b_vz, IDX: tl.constexpr, KV_FMT: tl.const
 
 
 @triton.jit
+def _mma_plane_pairs(w, magic, POS: tl.constexpr, LO: tl.constexpr, FAST: tl.constexpr):
+    """v9 (V precision on v8): the 2-bit fields at bits POS and POS + 16 of value plane words `w` as a trailing pair.
+    FAST: fp16 in the binade [512, 1024) (mantissa step 0.5; `magic` 0x60036003 for `hi`, 0x60006000 for `lo`), one
+    shift + one LOP3 per two fields: `hi` lands at mantissa bits 3-4 over the constant 3, i.e. `512 + 4 hi + 1.5`;
+    `lo` at bits 1-2, i.e. `512 + lo`; else the exact fp32 `4 hi + 1.5` / `lo - 1.5`."""
+    SH: tl.constexpr = 1 if LO else 3
+    if FAST:
+        M2: tl.constexpr = (3 << SH) * 0x00010001
+        if POS >= SH:
+            x = ((w >> (POS - SH)) & M2) | magic
+        else:
+            x = ((w << (SH - POS)) & M2) | magic
+        return tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+    else:
+        x = (w >> POS) & 0x00030003
+        f = tl.join(x & 0xFFFF, x >> 16).to(tl.float32)
+        if LO:
+            return f - 1.5
+        else:
+            return f * 4.0 + 1.5
+
+
+@triton.jit
+def _mma_plane_values(w, magic, b_vs, b_vz, IDX: tl.constexpr, LO: tl.constexpr, FAST: tl.constexpr):
+    """v9: dot operand `[PAGE, K]` of value dot `I` of a page with V precision, in `_mma_values`' columns `(g, u, h,
+    e)` (channel `16 (g VW + u) + 8h + 2I + e`: fields `4I + 2e` of the plane words). `hi` plane (LO False): every
+    token read cold, `(4 hi + 1.5) * scale + zero`; `lo` plane: what a hot token adds, `(lo - 1.5) * scale`. One
+    rounding of the decoded value in fp16 (the fields and `f - 512`, `f - 513.5` are exact), as the reference's
+    `c_hat * scale + zero` rounded to a 16-bit dtype."""
+    T: tl.constexpr = w.shape[0]
+    K: tl.constexpr = 4 * w.shape[1] * w.shape[2]
+    b_f = tl.join(_mma_plane_pairs(w, magic, 4 * IDX, LO, FAST), _mma_plane_pairs(w, magic, 4 * IDX + 2, LO, FAST))
+    b_s3 = b_vs[:, :, None, None, None]
+    if FAST:
+        if LO:
+            b_v = (b_f - 513.5) * b_s3
+        else:
+            b_v = (b_f - 512.0) * b_s3 + b_vz[:, :, None, None, None]
+    else:
+        if LO:
+            b_v = b_f * b_s3.to(tl.float32)
+        else:
+            b_v = b_f * b_s3.to(tl.float32) + b_vz[:, :, None, None, None].to(tl.float32)
+    return tl.reshape(b_v, [T, K])
+
+
+@triton.jit
 def _mma_qlane(p_qrow, o_dim, m_q, OP: tl.constexpr):
     return tl.load(p_qrow + o_dim[None, :], mask=m_q, other=0.0).to(OP)
 
@@ -1233,8 +1280,10 @@ def _mma_qlane(p_qrow, o_dim, m_q, OP: tl.constexpr):
 def _codes_history_mma(
     p_qrow, b_nh, m_row, o_ptr, lse_ptr, p_valid, stride_validt, hk_ptr, hks_ptr, hkz_ptr, hv_ptr, hvl_ptr, hvs_ptr,
     hvz_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, o_part, hist_start, p_begin, p_end, qk_scale,
+    b_run, margin, pmax_ptr, o_pm,
     D: tl.constexpr, DH: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr,
-    BLOCK_R: tl.constexpr, USE_VALID: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_R: tl.constexpr, USE_VALID: tl.constexpr, FAST: tl.constexpr, USE_VPREC: tl.constexpr = False,
+    COUNT: tl.constexpr = False, PAGE_MAX_ONLY: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):
     """v8 (session 15, `ROW1_TUNING["mma"]`): history pages `[p_begin, p_end)` of codes for a block of up to
     `BLOCK_R` query rows (decode: 1 row, padded; verification blocks and GQA: `G * Q <= 16`) on tensor cores, the
@@ -1247,7 +1296,18 @@ def _codes_history_mma(
     builds two fp16 `1024 + code` at once (`_mma_pairs`), then fp16 `(f - 1024) * scale + zero`; fp16 operands (bf16
     queries are rounded to fp16), fp32 accumulation; else fp32 operands with IEEE dots. The softmax reference of a
     row moves only when a score exceeds it by more than 2**8 (lazy, as `_codes_history_row1w`); `l` stays per
-    thread until the end. Pointers to codes are int32 pointers at (b, h_kv), their strides in words."""
+    thread until the end. Pointers to codes are int32 pointers at (b, h_kv), their strides in words.
+
+    v9 (session 16): `STAGES` > 1 software-pipelines the page loop (`tl.range(num_stages=STAGES)`: the next pages'
+    code words and scales in flight, through shared memory, while a page computes). V precision (INT4, `USE_VPREC`):
+    `b_run` [BR] is each row's running maximum before the split (the sink's maximum and the earlier splits' page
+    maxima, log2 units), moved page by page to the page's maximum; a token is hot for a row when its score is at
+    least `b_run - margin` (`margin` = tau: tau * ln 2 in natural units). The reference's `p_cold @ v_cold + p_hot @
+    v_hot` is computed as `P @ Vcold + P_hot @ Vlo` with `Vcold = (4 hi + 1.5) * scale + zero` from the `hi` plane
+    for every token and `Vlo = v_hot - v_cold = (lo - 1.5) * scale`, whose `lo` words are loaded only for tokens
+    some row reads hot (skipped, dots included, for a page where no row does). `PAGE_MAX_ONLY`: the first pass of
+    a split history, the page maxima of every row stored at `pmax_ptr + o_pm + page` (scores only). Returns the
+    V-precision counts `(cold, read)` per row ([BR] int32; zeros unless `COUNT`)."""
     LANES: tl.constexpr = 32 // KV_FMT  # key channels per word
     DW: tl.constexpr = D // LANES
     NKD: tl.constexpr = LANES // 4  # key dots per page (each K = 4 DW columns)
@@ -1290,7 +1350,12 @@ def _codes_history_mma(
     b_acc1 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
     b_acc2 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
     b_acc3 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
-    for i_p in range(p_begin, p_end):
+    b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
+    b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if USE_VPREC:  # 0x60036003 / 0x60006000 (`_mma_plane_pairs`), run-time values as `magic`
+        magic_hi = magic - 0x03FD03FD
+        magic_lo = magic - 0x04000400
+    for i_p in tl.range(p_begin, p_end, num_stages=STAGES):
         o_t = i_p * PAGE + o_t0  # [T] history index
         m_t = o_t < limit
         m_vis = m_row[:, None] & (o_t[None, :] < b_nhr[:, None])  # [BR, T]
@@ -1307,38 +1372,63 @@ def _codes_history_mma(
             b_s += _dot(b_q3, tl.trans(_mma_keys(b_kw, magic, p_ksp + 6, p_kzp + 6, o_dk, m_dk, 3, KV_FMT, PAD, FAST)), IEEE)
         b_s = tl.where(m_vis, b_s * qk_scale, float("-inf"))  # [BR, T] log2 units
         b_mx = tl.max(b_s, axis=1)
-        if tl.max((b_mx > b_mr + 8.0).to(tl.int32), axis=0) > 0:  # move the references (rare after the first pages)
-            b_mn = tl.maximum(b_mr, b_mx)
-            b_alpha = tl.exp2(b_mr - tl.where(b_mn == float("-inf"), 0.0, b_mn))[:, None]  # 0 for rows yet unread
-            b_lv *= b_alpha
-            b_acc0 *= b_alpha
-            b_acc1 *= b_alpha
-            b_acc2 *= b_alpha
-            b_acc3 *= b_alpha
-            b_mr = b_mn
-        b_p = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr)[:, None])  # 0 where not read
-        b_lv += b_p
-        b_p = b_p.to(OP)
-        o_v3 = o_t[:, None, None] * stride_hvt + o_gu
-        m_v3 = _cmask(m_t[:, None, None], m_gv, PAD)
-        b_vh = tl.load(hv_ptr + o_v3, mask=m_v3, other=0)  # [T, NG, VW] words
-        if KV_FMT == 4:
-            b_vl = tl.load(hvl_ptr + o_v3, mask=m_v3, other=0)
+        if PAGE_MAX_ONLY:  # V precision's first pass: every row's page maximum
+            tl.store(pmax_ptr + o_pm + i_p, b_mx, mask=m_row)
         else:
-            b_vl = b_vh
-        o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
-        b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)  # [T, NG]
-        b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)
-        w_a, w_c = _value_words(b_vh, b_vl, KV_FMT)
-        b_acc0 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 0, KV_FMT, FAST), IEEE)
-        b_acc1 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 1, KV_FMT, FAST), IEEE)
-        b_acc2 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 2, KV_FMT, FAST), IEEE)
-        b_acc3 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 3, KV_FMT, FAST), IEEE)
-    b_l = tl.sum(b_lv, axis=1)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc0, o_dv, m_row, D)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_dv + 2, m_row, D)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc2, o_dv + 4, m_row, D)
-    _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc3, o_dv + 6, m_row, D)
+            if tl.max((b_mx > b_mr + 8.0).to(tl.int32), axis=0) > 0:  # move the references (rare after the first pages)
+                b_mn = tl.maximum(b_mr, b_mx)
+                b_alpha = tl.exp2(b_mr - tl.where(b_mn == float("-inf"), 0.0, b_mn))[:, None]  # 0 for rows yet unread
+                b_lv *= b_alpha
+                b_acc0 *= b_alpha
+                b_acc1 *= b_alpha
+                b_acc2 *= b_alpha
+                b_acc3 *= b_alpha
+                b_mr = b_mn
+            b_pf = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr)[:, None])  # 0 where not read
+            b_lv += b_pf
+            b_p = b_pf.to(OP)
+            o_v3 = o_t[:, None, None] * stride_hvt + o_gu
+            m_v3 = _cmask(m_t[:, None, None], m_gv, PAD)
+            b_vh = tl.load(hv_ptr + o_v3, mask=m_v3, other=0)  # [T, NG, VW] words
+            o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
+            b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)  # [T, NG]
+            b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)
+            if USE_VPREC:
+                # the running maximum of each row at this page (the reference's prefix maximum seeded by the sink)
+                b_run = tl.maximum(b_run, b_mx)
+                m_hot = m_vis & (b_s >= b_run[:, None] - margin)  # [BR, T]
+                if COUNT:
+                    b_cnt_all += tl.sum(m_vis.to(tl.int32), axis=1)
+                    b_cnt_cold += tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1)
+                b_acc0 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 0, False, FAST), IEEE)
+                b_acc1 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 1, False, FAST), IEEE)
+                b_acc2 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 2, False, FAST), IEEE)
+                b_acc3 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 3, False, FAST), IEEE)
+                m_lo = m_t & (tl.max(m_hot.to(tl.int32), axis=0) > 0)  # [T] tokens some row reads hot
+                if tl.max(m_lo.to(tl.int32), axis=0) > 0:  # a page every row reads cold loads no `lo`
+                    b_vl = tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None, None], m_gv, PAD), other=0)
+                    b_ph = tl.where(m_hot, b_pf, 0.0).to(OP)
+                    b_acc0 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 0, True, FAST), IEEE)
+                    b_acc1 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 1, True, FAST), IEEE)
+                    b_acc2 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 2, True, FAST), IEEE)
+                    b_acc3 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 3, True, FAST), IEEE)
+            else:
+                if KV_FMT == 4:
+                    b_vl = tl.load(hvl_ptr + o_v3, mask=m_v3, other=0)
+                else:
+                    b_vl = b_vh
+                w_a, w_c = _value_words(b_vh, b_vl, KV_FMT)
+                b_acc0 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 0, KV_FMT, FAST), IEEE)
+                b_acc1 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 1, KV_FMT, FAST), IEEE)
+                b_acc2 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 2, KV_FMT, FAST), IEEE)
+                b_acc3 += _dot(b_p, _mma_values(w_a, w_c, magic, b_vs, b_vz, 3, KV_FMT, FAST), IEEE)
+    if not PAGE_MAX_ONLY:
+        b_l = tl.sum(b_lv, axis=1)
+        _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc0, o_dv, m_row, D)
+        _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_dv + 2, m_row, D)
+        _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc2, o_dv + 4, m_row, D)
+        _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc3, o_dv + 6, m_row, D)
+    return b_cnt_cold, b_cnt_all
 
 
 @triton.jit
@@ -1515,6 +1605,7 @@ def _coded_attention_fwd_kernel(
     SUB_STAGES: tl.constexpr = 0,
     ROWX: tl.constexpr = False,
     MMA: tl.constexpr = False,
+    MMA_STAGES: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
@@ -1679,7 +1770,11 @@ def _coded_attention_fwd_kernel(
                 )  # fmt: skip
         elif MMA:  # v8: up to 16 rows on tensor cores, codes read as words and dequantized in registers
             i32p_: tl.constexpr = tl.pointer_type(tl.int32)
-            _codes_history_mma(
+            if USE_VPREC and not PAGE_MAX_ONLY:
+                b_runm = b_run
+            else:
+                b_runm = b_m
+            b_cnt_mc, b_cnt_ma = _codes_history_mma(
                 q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh, m_row,
                 o_ptr, lse_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p_),
                 hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
@@ -1687,8 +1782,11 @@ def _coded_attention_fwd_kernel(
                 (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p_),
                 hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
                 stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
-                qk_scale, D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE,
+                qk_scale, b_runm, margin, pmax_ptr, (i_bh * (G * Q) + o_r) * n_pages,
+                D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE, USE_VPREC, COUNT, PAGE_MAX_ONLY, MMA_STAGES,
             )  # fmt: skip
+            if COUNT:
+                b_cnt_cold, b_cnt_all = b_cnt_mc, b_cnt_ma
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]

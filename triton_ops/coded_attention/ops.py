@@ -36,7 +36,8 @@ _LOG2E = 1.4426950408889634
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4,
+    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
+    "mma_warps": 1, "mma_programs_per_sm": 8,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -79,7 +80,16 @@ at any row count with this dict's `num_warps` / `num_stages`. H200 (bf16, graph 
 3147.8); v7's 2-token block (30.5 / 187.1 / 361.7 us) is faster than v8's cost, which hardly depends on the rows,
 hence 4; decode (one row) 32.5 / 267.5 / 472.8 us against v4 / v6's 22.1 / 117.7 / 197.1, so decode keeps those.
 Offline sm_90 SASS: 5.5 instructions per code element at 2 warps (v4: 4.4), 1.1 per element per row for a 5-row
-block (the general path 3.2; `benchmarks/notes_coded_attention.md`, v8)."""
+block (the general path 3.2; `benchmarks/notes_coded_attention.md`, v8).
+
+v9 (session 16; `benchmarks/notes_coded_attention.md`, v9; H200 at 8K x 1 / 8 / 16, 5 tokens,
+`benchmarks/results/coded_attention_h200_v9_q5.json`): `mma_vprec` (default True) runs V precision on v8 too
+(`kernels._codes_history_mma`: the `hi` plane for every token, `lo` dots only where a row reads the token hot; v8's
+own page-maxima pass): 76.6 / 538.1 / 956.0 us against v7's 130.3 / 636.9 / 986.2 (80% cold); False restores v7 for
+those calls. `mma_stages` (1..4, default 1): v8's page loop as `tl.range(num_stages=...)` (within 2% of 1: 316.5 /
+544.4 at 2 against 322.4 / 558.4 at 8K x 8 / 16); `mma_warps` (1, 2, 4; default 1): the warps of the default v8
+launch (2 warps with stages 3: 277.9 / 485.1 at 8 / 16 but 55.0 against 40.2 at batch 1); `mma_programs_per_sm`
+(default 8): the split count v8 aims at (7, one wave of programs: slower, 340.8 / 670.0)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -188,11 +198,23 @@ def _coded_attention_fwd(
         raise ValueError(f"`tuning['mma_rows_min']` must be an int in [0, 16] (0: off), got {mma_rows_min!r}")
     # v8 by default from `mma_rows_min` rows per KV head on (at one warp: the H200's fastest v8 setting); `mma`
     # asks for it at any row count with the configured warps
+    mma_vprec = tune.get("mma_vprec", False)
+    if mma_vprec not in (0, 1) or not isinstance(mma_vprec, (bool, int)):
+        raise ValueError(f"`tuning['mma_vprec']` must be a bool (or 0 / 1), got {mma_vprec!r}")
+    mma_stages = tune.get("mma_stages", 1)
+    if isinstance(mma_stages, bool) or not isinstance(mma_stages, int) or mma_stages not in (1, 2, 3, 4):
+        raise ValueError(f"`tuning['mma_stages']` must be 1, 2, 3 or 4, got {mma_stages!r}")
+    mma_warps = tune.get("mma_warps", 1)
+    if isinstance(mma_warps, bool) or not isinstance(mma_warps, int) or mma_warps not in (1, 2, 4):
+        raise ValueError(f"`tuning['mma_warps']` must be 1, 2 or 4, got {mma_warps!r}")
+    mma_per_sm = tune.get("mma_programs_per_sm", tune["programs_per_sm"])
+    if isinstance(mma_per_sm, bool) or not isinstance(mma_per_sm, int) or not 1 <= mma_per_sm <= 32:
+        raise ValueError(f"`tuning['mma_programs_per_sm']` must be an int in [1, 32], got {mma_per_sm!r}")
     mma_auto = not mma and 0 < mma_rows_min <= rows
     mma = mma or mma_auto
-    # v8: 1..16 rows per KV head over coded history without V precision, on tensor cores (value groups and the
-    # groups per padded head dim powers of two: the value words are read as a [page, groups, group / 16] tile)
-    mma = bool(mma) and bool(fmt) and rows <= 16 and not use_vprec and not vgroup & (vgroup - 1)
+    # v8: 1..16 rows per KV head over coded history on tensor cores (value groups and the groups per padded head dim
+    # powers of two: the value words are read as a [page, groups, group / 16] tile); V precision with `mma_vprec` (v9)
+    mma = bool(mma) and bool(fmt) and rows <= 16 and (not use_vprec or bool(mma_vprec)) and not vgroup & (vgroup - 1)
     mma = mma and dp % vgroup == 0 and not (dp // vgroup) & (dp // vgroup - 1) and bool(tune["enabled"])
     mma = mma and vgroup % 16 == 0 and _word_aligned(hk, hv, hvl)  # v8 reads codes as 32-bit words too
     rows_max = 0 if mma else rows_max
@@ -229,10 +251,12 @@ def _coded_attention_fwd(
         ns = min(num_splits, n_pages)
     else:
         sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
-        per_sm = tune["programs_per_sm"] if row1 or mma else (4 if fmt else dense["programs_per_sm"])
+        per_sm = tune["programs_per_sm"] if row1 else mma_per_sm if mma else (4 if fmt else dense["programs_per_sm"])
         # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
         # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
+        if mma:  # v9: v8's split count unless the row blocks alone fill the SMs at its programs per SM
+            fill = per_sm
         if use_vprec and base_h >= fill * sms:
             ns = 1
         else:
@@ -351,10 +375,11 @@ def _coded_attention_fwd(
             SUB_STAGES=sub_stages if v6 else 0,
             ROWX=rowx,
             MMA=mma,
+            MMA_STAGES=mma_stages if mma else 1,
         )
 
     if row1 or mma:
-        launch = {"num_warps": 1 if mma_auto and mma else num_warps, "num_stages": tune["num_stages"]}
+        launch = {"num_warps": mma_warps if mma_auto and mma else num_warps, "num_stages": tune["num_stages"]}
         if maxnreg is not None:
             launch["maxnreg"] = maxnreg  # v6: more programs per SM by registers (`ROW1_TUNING`)
     elif not fmt:
