@@ -301,18 +301,24 @@ def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) ->
     return y.split([getattr(owner, name).out_features for name in names], dim=-1)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is a plain `nn.Linear` that the projection kernels may take: no hooks (accelerate's device maps
+    and offload), no replaced forward, no `torch.compile` tracing (anything else is called as it is)."""
+    return (
+        type(module) is nn.Linear
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and "forward" not in module.__dict__
+        and not torch.compiler.is_compiling()
+    )
+
+
 def silu_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module(silu(gate) * up)` of `x = [gate | up]` `[..., 2K]` (a gated MLP's stacked gate/up output): a plain
     `nn.Linear` without hooks goes through `triton_ops.gemv.silu_linear` (one kernel reading the activation as its
     input where the projection takes the GEMV kernel, else `fused.silu_mul` then `linear`); anything else is called on
     `fused.silu_mul` of the two halves."""
-    if (
-        type(module) is not nn.Linear
-        or module._forward_hooks
-        or module._forward_pre_hooks
-        or "forward" in module.__dict__
-        or torch.compiler.is_compiling()
-    ):
+    if not _plain_linear(module):
         k = x.shape[-1] // 2
         return module(fused.silu_mul(x[..., :k], x[..., k:]))
     return gemv.silu_linear(x, module.weight, module.bias)
@@ -323,13 +329,7 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     `triton_ops.gemv.linear` (the skinny-GEMM kernel for decode-sized CUDA inputs when `GEMV_TUNING["enabled"]`,
     `F.linear` otherwise); anything else (hooks, accelerate's wrapped forwards, quantized or other subclasses) is
     called as it is."""
-    if (
-        type(module) is not nn.Linear
-        or module._forward_hooks
-        or module._forward_pre_hooks
-        or "forward" in module.__dict__
-        or torch.compiler.is_compiling()
-    ):
+    if not _plain_linear(module):
         return module(x)
     return gemv.linear(x, module.weight, module.bias)
 
