@@ -4,8 +4,9 @@ by `crop` (so every forward sees the same cache).
 
 Method: `torch.profiler` (CUDA activity) around 3 eager forwards of each size after 2 warm-up forwards of each; the
 eager static forward launches the kernels the captured graphs replay. Per cache and size: the GPU microseconds and
-launches per forward, in total and per kernel name (the 30 largest). `benchmarks.profile_step` profiles decode steps
-inside `generate`; this script isolates the block a verification adds.
+launches per forward, in total and per kernel name (the 30 largest; CUDA kernels only, so a CPU run checks the
+script and records none). `benchmarks.profile_step` profiles decode steps inside `generate` (its `_kernels` does the
+counting here too); this script isolates the block a verification adds.
 
     python -m benchmarks.profile_verify --shape ouro-1.4b --batch 8 --prompt 1024 \\
         --caches loopkv-kivi4-share full --out profile_verify
@@ -14,36 +15,25 @@ inside `generate`; this script isolates the block a verification adds.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_selfspec import CACHES, make_cache
 from benchmarks.common import RESULTS, build, environment
+from benchmarks.profile_step import _kernels
 
 
-def _kernels(fn: Any, calls: int, device: str) -> dict[str, Any]:
-    cuda = device.startswith("cuda")
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-    for event in prof.events():
-        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = getattr(event, "device_time", None) if cuda else event.self_cpu_time_total
-        per_name[event.name[:100]][0] += (us or 0.0) / calls
-        per_name[event.name[:100]][1] += 1 / calls
+def _per_forward(fn: Any, calls: int) -> dict[str, Any]:
+    """GPU microseconds and launches per call of `fn`, in total and per kernel name (the 30 largest), over `calls`
+    calls (`profile_step._kernels`)."""
+    per_name, _, _ = _kernels(lambda: [fn() for _ in range(calls)])
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:30]
     return dict(
-        total_us=round(sum(v[0] for v in per_name.values()), 1),
-        launches=round(sum(v[1] for v in per_name.values()), 1),
-        top=[(name, round(us, 1), round(n, 1)) for name, (us, n) in top],
+        total_us=round(sum(v[0] for v in per_name.values()) / calls, 1),
+        launches=round(sum(v[1] for v in per_name.values()) / calls, 1),
+        top=[(name, round(us / calls, 1), round(n / calls, 1)) for name, (us, n) in top],
     )
 
 
@@ -73,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             for q in (1, 5, 1, 5):
                 forward(q)
             for q in (1, 5):
-                rows[f"{name} q{q}"] = _kernels(lambda q=q: forward(q), 3, dev)
+                rows[f"{name} q{q}"] = _per_forward(lambda q=q: forward(q), 3)
                 print(name, q, rows[f"{name} q{q}"]["total_us"], rows[f"{name} q{q}"]["launches"], flush=True)
     path = RESULTS / f"{args.out}.json"
     header = dict(shape=args.shape, batch=b, prompt=args.prompt, new_tokens_per_forward=[1, 5])
