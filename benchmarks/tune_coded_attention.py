@@ -13,7 +13,7 @@ A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5; `scores+unroll` /
 `vprec_unroll`): `--configs 1,2,1,8,1,scores 1,2,1,8,1,v4 --providers int4 int4-vprec` times int4 once and V
 precision in both modes. Fields `key=value` set any other `ROW1_TUNING` key (v6, session 13):
 `--configs 1,2,1,8,1 1,1,1,8,1,sub=2 1,2,1,8,1,maxnreg=168` times v4, half-page steps at one warp, and v4 capped at
-168 registers per thread.
+168 registers per thread. `splits=N` forces N history splits (the op's `num_splits`; session 17: short histories).
 
 v7 (verification blocks): `--queries 5` times a block of 5 new tokens per row (Ouro's MHA: 5 query rows per KV head;
 query i's history ends `queries - 1 - i` positions before the last one's, RIPE Eq. 9); `rows_max=16` switches the
@@ -122,7 +122,7 @@ def _graph_ms(fn):
     return _graph_bench(fn)[0]
 
 
-def check(d, tune, nbits, vprec, queries=1):
+def check(d, tune, nbits, vprec, queries=1, splits=None):
     """Max |kernel - reference| of out (and lse) at batch 2, 2K context, left padding; cold counts with V prec."""
     from triton_ops.coded_attention import reference_coded_attention
     from triton_ops.coded_attention.ops import _coded_attention_fwd
@@ -137,7 +137,9 @@ def check(d, tune, nbits, vprec, queries=1):
     tau = 0.5 if vprec else None  # a mix of cold and hot tokens at these scores
     q = d["q"][:2, :, :queries] * 0.5
     sk, sr = (torch.zeros(2, dtype=torch.int64, device=q.device) for _ in range(2))
-    out, lse = _coded_attention_fwd(q, view, scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sk, tuning=tune)
+    out, lse = _coded_attention_fwd(
+        q, view, scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sk, num_splits=splits, tuning=tune
+    )
     ref, rlse = reference_coded_attention(
         q.float(), _cast(view), scaling=D**-0.5, v_precision_tau=tau, v_precision_stats=sr
     )
@@ -216,8 +218,10 @@ def main(argv=None):
                 continue
             done.add(key)
             t1 = time.time()
+            splits = tune.get("splits") or None  # `splits=N`: force N history splits (`num_splits`; 0: auto)
+            op_tune = {k: v for k, v in tune.items() if k != "splits"}
             try:
-                chk = check(d, tune, nbits, vprec, nq)
+                chk = check(d, op_tune, nbits, vprec, nq, splits)
             except Exception as exc:  # a setting that does not compile is a result, not a crash
                 print(f"{name} {prov}: check failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 rows.append(dict(config=name, provider=prov, error=str(exc)[:300]))
@@ -242,8 +246,10 @@ def main(argv=None):
                     nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + nq) * 2 * E * 2)
                     q = d["q"][:b, :, :nq]
 
-                    def fn(q=q, v=view, t=tau, tn=tune):
-                        return _coded_attention_fwd(q, v, scaling=D**-0.5, v_precision_tau=t, tuning=tn)
+                    def fn(q=q, v=view, t=tau, tn=op_tune):
+                        return _coded_attention_fwd(
+                            q, v, scaling=D**-0.5, v_precision_tau=t, num_splits=splits, tuning=tn
+                        )
 
                     ms = _graph_ms(fn)
                     row.update(us=ms * 1e3, tb_s=nbytes / ms / 1e9, bytes_read=int(nbytes), check_err=chk["err"])
