@@ -14,6 +14,8 @@ A sixth field picks V precision's mode (`ops.VPREC_MODES`, v5; `scores+unroll` /
 precision in both modes. Fields `key=value` set any other `ROW1_TUNING` key (v6, session 13):
 `--configs 1,2,1,8,1 1,1,1,8,1,sub=2 1,2,1,8,1,maxnreg=168` times v4, half-page steps at one warp, and v4 capped at
 168 registers per thread. `splits=N` forces N history splits (the op's `num_splits`; session 17: short histories).
+`--static-capacity N` times static views instead (a captured step's: the length on the device, every page of N
+positions preallocated, the window as a ring; the same contents as the host-length view; session 18).
 
 v7 (verification blocks): `--queries 5` times a block of 5 new tokens per row (Ouro's MHA: 5 query rows per KV head;
 query i's history ends `queries - 1 - i` positions before the last one's, RIPE Eq. 9); `rows_max=16` switches the
@@ -71,12 +73,26 @@ def _data(bmax, tmax, dev, gen):
     return d
 
 
-def _view(d, b, ctx, nbits, valid=None, queries=1):
+def _view(d, b, ctx, nbits, valid=None, queries=1, capacity=None):
+    """The view of `ctx` positions; `capacity` (a static cell's `max_cache_len`): stored as a static cache's captured
+    step stores it (the length on the device, every page of `capacity` preallocated, the window as a ring)."""
     from triton_ops.coded_attention import CellView
     from triton_ops.quant import naive
 
     n_hist = ctx - SINK - WINDOW
     n_hist -= n_hist % PAGE
+    if capacity is not None:  # the same contents: the history's codes in the first of every preallocated page,
+        host, _ = _view(d, b, ctx, nbits, valid, queries)  # the window's positions in their ring slots
+        full, _ = _view(d, b, capacity, nbits, valid, queries)
+        slots = torch.arange(host.window_start, ctx, device=d["q"].device) % d["wk"].shape[2]
+        ring_k, ring_v = d["wk"][:b].clone(), d["wv"][:b].clone()
+        ring_k[:, :, slots], ring_v[:, :, slots] = host.window_key, host.window_value
+        return CellView(
+            new_key=host.new_key, new_value=host.new_value, length=torch.tensor(ctx, device=d["q"].device),
+            history_end=host.history_end, sink_key=host.sink_key, sink_value=host.sink_value, history_start=SINK,
+            history_key=full.history_key, history_value=full.history_value, window_key=ring_k, window_value=ring_v,
+            key_valid=valid,
+        ), n_hist  # fmt: skip
     if nbits:
         kc = d["kc4"] if nbits == 4 else d["kc2"]
         hk = naive.QuantizedKeys(
@@ -174,6 +190,10 @@ def main(argv=None):
     p.add_argument("--providers", nargs="+", default=["int4"])
     p.add_argument("--baseline", action="store_true", help="also time v2 (ROW1 off) and SDPA over BF16")
     p.add_argument("--queries", type=int, default=1, help=f"new tokens per row (v7 verification blocks; <= {QMAX})")
+    p.add_argument(
+        "--static-capacity", type=int, default=None,
+        help="time static views (a captured step's: device length, ring window) preallocated for this many positions",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: only the checks, under TRITON_INTERPRET=1 (bf16 -> fp32)")
     args = p.parse_args(argv)
@@ -185,7 +205,7 @@ def main(argv=None):
 
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
-    bmax, tmax = max(args.batches), max(args.contexts)
+    bmax, tmax = max(args.batches), max(args.contexts + [args.static_capacity or 0])
     t0 = time.time()
     d = _data(bmax, tmax, dev, gen)
     if dev == "cuda":
@@ -231,14 +251,16 @@ def main(argv=None):
                 continue
             for ctx in args.contexts:
                 for b in args.batches:
-                    view, n_hist = _view(d, b, ctx, nbits, queries=nq)
+                    view, n_hist = _view(d, b, ctx, nbits, queries=nq, capacity=args.static_capacity)
                     per_tok = E * (nbits / 8 * 2 + 4 / PAGE + 4 / GROUP)
                     hist_bytes = n_hist * per_tok
                     tau = None
                     row = dict(config=name, provider=prov, batch=b, context=ctx, queries=nq, **tune)
+                    if args.static_capacity:
+                        row["static_capacity"] = args.static_capacity
                     if vprec:
                         if (ctx, b) not in taus:
-                            taus[(ctx, b)] = _tau_for_cold(d, view, n_hist)
+                            taus[(ctx, b)] = _tau_for_cold(d, _view(d, b, ctx, nbits, queries=nq)[0], n_hist)
                         tau, cold = taus[(ctx, b)]
                         row.update(tau=tau, cold_fraction=cold)
                         hist_bytes -= n_hist * cold * E / 4
@@ -246,10 +268,8 @@ def main(argv=None):
                     nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + nq) * 2 * E * 2)
                     q = d["q"][:b, :, :nq]
 
-                    def fn(q=q, v=view, t=tau, tn=op_tune):
-                        return _coded_attention_fwd(
-                            q, v, scaling=D**-0.5, v_precision_tau=t, num_splits=splits, tuning=tn
-                        )
+                    def fn(q=q, v=view, t=tau, tn=op_tune, ns=splits):
+                        return _coded_attention_fwd(q, v, scaling=D**-0.5, v_precision_tau=t, num_splits=ns, tuning=tn)
 
                     ms = _graph_ms(fn)
                     row.update(us=ms * 1e3, tb_s=nbytes / ms / 1e9, bytes_read=int(nbytes), check_err=chk["err"])

@@ -1670,11 +1670,17 @@ def _coded_attention_fwd_kernel(
              DH=DH,)  # fmt: skip
         _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
     else:
-        p_begin = i_s * pages_per_split
         b_nh = b_bound - hist_start  # history tokens row r reads
         # pages any row of the block reads: a program past them exits at once (its partial reads nothing)
         n_live = (tl.maximum(tl.max(tl.where(m_row, b_nh, 0), axis=0), 0) + PAGE - 1) // PAGE
-        p_end = tl.minimum(tl.minimum(p_begin + pages_per_split, n_pages), n_live)
+        pps = pages_per_split
+        if DEV_LEN:
+            # a static cache's captured step: the host split every preallocated page, of which the first `n_live`
+            # hold history now; those are shared out among the NS splits instead (a first pass, V precision's page
+            # maxima or scores, writes every live page before the second reads them, however either splits)
+            pps = tl.maximum((n_live + NS - 1) // NS, 1)
+        p_begin = i_s * pps
+        p_end = tl.minimum(tl.minimum(p_begin + pps, n_pages), n_live)
         if COUNT:
             b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
             b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -1701,7 +1707,7 @@ def _coded_attention_fwd_kernel(
             if ROWX:  # v7: this program's row i_x = g * Q + i, its own history bound and pages
                 p_q1 = q_ptr + i_b * stride_qb + (i_hk * G + i_x // Q) * stride_qh + (i_x % Q) * stride_qq + o_d
                 nh1 = tl.sum(tl.where(o_r == i_x, b_nh, 0), axis=0)
-                p_end = tl.minimum(tl.minimum(p_begin + pages_per_split, n_pages), (tl.maximum(nh1, 0) + PAGE - 1) // PAGE)
+                p_end = tl.minimum(tl.minimum(p_begin + pps, n_pages), (tl.maximum(nh1, 0) + PAGE - 1) // PAGE)
                 part1 = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + i_x
             else:
                 p_q1 = q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d

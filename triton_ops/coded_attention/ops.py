@@ -173,7 +173,7 @@ def _coded_attention_fwd(
         hk, hks, hkz = (hk_, None, None) if hk_ is not None else (dummy, None, None)
         hv, hvl, hvs, hvz = (hv_, None, None, None) if hv_ is not None else (dummy, None, None, None)
     # history positions any query may read: [S, min(S + T_hist, length))
-    # (static: every preallocated page; programs past the pages the bounds reach exit early)
+    # (static: every preallocated page; the kernel shares the pages the device-side bounds reach among the splits)
     if static:
         hist_tokens = view.history_length
     else:

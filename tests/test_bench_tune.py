@@ -1,0 +1,27 @@
+"""`benchmarks.tune_coded_attention`'s static views (`--static-capacity`): stored as a static cache's captured step
+stores a cell (the length on the device, every page of the capacity preallocated, the window as a ring), they read
+what the host-length view of the same positions reads, so the two timings compare the same work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import tune_coded_attention as tune
+from triton_ops.coded_attention import reference_coded_attention
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+@pytest.mark.parametrize("nbits", [4, 2])
+def test_static_view_reads_what_the_host_view_reads(queries, nbits):
+    torch.set_num_threads(1)
+    d = tune._data(2, 1400, "cpu", torch.Generator().manual_seed(0))
+    host, n_hist = tune._view(d, 2, 1024, nbits, queries=queries)
+    static, n_static = tune._view(d, 2, 1024, nbits, queries=queries, capacity=1400)
+    assert n_static == n_hist and isinstance(static.length, torch.Tensor)
+    assert static.history_key.codes.shape[2] > n_hist  # pages past the history: preallocated, unread
+    q = d["q"][:2, :, :queries]
+    want, want_lse = reference_coded_attention(q, host, scaling=tune.D**-0.5, v_precision_tau=1.0 if nbits == 4 else None)
+    got, got_lse = reference_coded_attention(q, static, scaling=tune.D**-0.5, v_precision_tau=1.0 if nbits == 4 else None)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # fp32: the two reads sum in different orders
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-5)  # fp32: the two reads sum in different orders
