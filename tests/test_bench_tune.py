@@ -24,4 +24,4 @@ def test_static_view_reads_what_the_host_view_reads(queries, nbits):
     want, want_lse = reference_coded_attention(q, host, scaling=tune.D**-0.5, v_precision_tau=1.0 if nbits == 4 else None)
     got, got_lse = reference_coded_attention(q, static, scaling=tune.D**-0.5, v_precision_tau=1.0 if nbits == 4 else None)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # fp32: the two reads sum in different orders
-    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-5)  # fp32: the two reads sum in different orders
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-5)

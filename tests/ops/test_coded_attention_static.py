@@ -198,8 +198,8 @@ def test_static_splits_share_the_live_pages(case, splits):
     """A static cell preallocates far more pages than it holds (a cache built for 32K decoding a short prompt): the
     captured step's splits share out the pages the bounds reach, not the preallocated ones. With 7 spare pages and 2
     or 6 splits, every path (row blocks, one row per KV head with V precision's score pass, v7, v8 / v9) still reads
-    what the reference reads: outputs, log-sum-exp and V-precision counts (the page maxima of the earlier splits must
-    sit where the later ones look for them)."""
+    what the reference reads, every live page once: outputs, log-sum-exp and V-precision counts (red when a split
+    count that does not divide the live pages drops the last ones)."""
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     data = _build(case, torch.float32)
