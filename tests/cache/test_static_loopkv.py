@@ -1,7 +1,7 @@
 """Static LoopKV caches: coded (`int4` / `int2`) and shared cells with a sink in preallocated storage, lengths and
 boundaries on the device, the page flush inside the decode step.
 
-Greedy tokens and logits equal the growable LoopKV cache's (fp32, both architectures, V precision on, flush
+Greedy tokens and logits equal the growable LoopKV cache's (fp64 to 1e-10, both architectures, V precision on, flush
 boundaries crossed every 4 tokens, a left-padded batch), the codes are the growable cache's bit for bit, a decode step
 reads no device value on the host and runs the same operations on the same shapes whether or not it flushes a page,
 crop within the rollback reserve and a replayed (captured) step give the growable cache's tokens; on CUDA `generate`
@@ -64,13 +64,16 @@ def _same(got, expected, atol=1e-2):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch,padded", [pytest.param(1, False, id="B1"), pytest.param(3, True, id="B3-leftpad")])
 def test_static_loopkv_greedy_equals_growable(arch, batch, padded, name):
-    model = _model(arch)
+    """fp64 (as every static-against-growable comparison through codes here): in fp32 the two caches' forwards round
+    differently wherever the CPU's matmul kernels depend on the shapes (a static cache of 4 rows against 3), and a key
+    or value that rounds across a code boundary moves later logits by up to ~0.15 (seen on a CPU with AVX512-FP16)."""
+    model = _model(arch).double()
     ids, mask = _prompt(batch, padded)
     expected = _generate(model, arch, ids, mask, _cache(model, name))
     cache = _cache(model, name, static=True, max_batch_size=4, max_cache_len=32)
     assert cache.is_compileable
     assert any(isinstance(layer, StaticCodedLayer) for layer in cache.cells)
-    _same(_generate(model, arch, ids, mask, cache), expected)
+    _same(_generate(model, arch, ids, mask, cache), expected, atol=1e-10)
     assert int(cache._length_t) == cache.get_seq_length() == ids.shape[1] + NEW - 1
 
 
@@ -206,7 +209,7 @@ def test_replayed_static_loopkv_step_equals_growable(monkeypatch, arch, name):
     from transformers import CompileConfig
 
     stand_in_graphs(monkeypatch)
-    model = _model(arch)
+    model = _model(arch).double()  # fp64: see `test_static_loopkv_greedy_equals_growable`
     config = CompileConfig()
     config._compile_all_devices = True  # transformers' switch to take the compiled call off CUDA
     ids, mask = _prompt(3, True)
@@ -214,7 +217,7 @@ def test_replayed_static_loopkv_step_equals_growable(monkeypatch, arch, name):
     cache = _cache(model, name, static=True, max_batch_size=3, max_cache_len=32)
     got = _generate(model, arch, ids, mask, cache, compile_config=config)
     assert [entry.graph.replays for entry in cache._graphs.values()] == [NEW - 2]
-    _same(got, expected)
+    _same(got, expected, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", ["kivi4", "kivi4-share"])
