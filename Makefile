@@ -7,7 +7,7 @@ demo:
 	python -m hf_loopcache demo
 
 test:
-	python -m pytest -q
+	python -m pytest -q -n auto
 
 test-gpu:
 	python -m pytest -q -m gpu

@@ -81,7 +81,7 @@ def _view(d, b, ctx, nbits, valid=None, queries=1, capacity=None):
 
     n_hist = ctx - SINK - WINDOW
     n_hist -= n_hist % PAGE
-    if capacity is not None:  # the same contents: the history's codes in the first of every preallocated page,
+    if capacity is not None:  # the same contents: the history's codes in the first pages of the preallocated ones,
         host, _ = _view(d, b, ctx, nbits, valid, queries)  # the window's positions in their ring slots
         full, _ = _view(d, b, capacity, nbits, valid, queries)
         slots = torch.arange(host.window_start, ctx, device=d["q"].device) % d["wk"].shape[2]

@@ -211,3 +211,35 @@ def test_static_splits_share_the_live_pages(case, splits):
         tuning={"rows_max": 16 if case.spread else 0},
     )  # fmt: skip
     _assert_matches(data, out, lse, stats, extra_pages=7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(Case(B=1, Hq=2, Hkv=2, D=64, S=4, hist=100, Wn=70, Q=1, fmt=4, vprec=True, lean=0.0), id="row1-vprec"),
+        pytest.param(Case(B=2, Hq=2, Hkv=1, D=64, S=4, hist=100, Wn=70, Q=2, fmt=2, vprec=False, pad=True, lean=0.0), id="rows"),
+    ],
+)
+def test_static_tail_chunks_follow_the_live_pages(case, splits, launches):
+    """A static view's tail programs size their window chunks on the device from the pages the splits share out
+    (`TAIL_DEV`): the launcher starts `ceil(ring / tail_min)` tail programs (here 10 of 8 slots for a ring of 75 or 76)
+    and the kernel gives each half a split's positions, at least `tail_min` (32 or 64 slots for 1 or 4 live pages per
+    split), so most exit at once. Every ring slot is still read exactly once: outputs, log-sum-exp and counts as the
+    reference's (red when a program's start and its range use different chunks, or chunks leave a gap)."""
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    data = _build(case, torch.float32)
+    tau = data["tau"] if case.vprec else None
+    stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    view = _static_view(data, torch.float32, DEVICE, extra_pages=7)
+    ring = view.window_key.shape[2]
+    out, lse = _coded_attention_fwd(
+        data["q"].to(DEVICE), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats,
+        num_splits=splits, tuning={"tail_min": 8, "mma_rows_min": 0},
+    )  # fmt: skip
+    _assert_matches(data, out, lse, stats, extra_pages=7)
+    rowx, *_ = launches[-1]  # v7: a history program per (split, row)
+    n_hist = splits * (case.Hq // case.Hkv * case.Q if rowx else 1)
+    assert ring >= 75 and launches[-1][3] == n_hist + -(-ring // 8), (ring, launches)

@@ -1443,6 +1443,12 @@ def _dmask(m, o_d, DH: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _live_pages(b_bound, hist_start, m_row, PAGE: tl.constexpr):
+    """History pages any row of the block reads (its rows' bounds, less the history's start, in whole pages)."""
+    return (tl.maximum(tl.max(tl.where(m_row, b_bound - hist_start, 0), axis=0), 0) + PAGE - 1) // PAGE
+
+
+@triton.jit
 def _attend_dense(
     b_q,
     b_m,
@@ -1502,7 +1508,7 @@ def _attend_dense(
 
 
 @triton.jit(
-    do_not_specialize=["S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q", "tail_chunk"]
+    do_not_specialize=["S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q", "tail_chunk", "tail_min"]
 )
 def _coded_attention_fwd_kernel(
     q_ptr,
@@ -1577,7 +1583,8 @@ def _coded_attention_fwd_kernel(
     n_pages,
     pages_per_split,
     NS,
-    tail_chunk,  # window slots per tail program (programs NS .. NS + NT - 1)
+    tail_chunk,  # window slots per tail program (programs NS .. NS + NT - 1; TAIL_DEV: sized here)
+    tail_min,  # TAIL_DEV: the fewest window slots a tail program reads
     qk_scale,
     margin,
     D: tl.constexpr,
@@ -1598,6 +1605,7 @@ def _coded_attention_fwd_kernel(
     NP: tl.constexpr = 4,
     WORDS: tl.constexpr = False,
     DEV_LEN: tl.constexpr = False,
+    TAIL_DEV: tl.constexpr = False,
     VPIPE: tl.constexpr = False,
     SCORES: tl.constexpr = False,
     VUNROLL: tl.constexpr = False,
@@ -1647,7 +1655,13 @@ def _coded_attention_fwd_kernel(
         # [j * tail_chunk, (j + 1) * tail_chunk) (positions >= bound), and j = 0 also the sink (padding only) and the
         # new tokens (causal); a window longer than a history split is spread so that it does not set the pace
         j = i_s - NS
-        w_lo = j * tail_chunk
+        chunk = tail_chunk
+        if TAIL_DEV:
+            # a static cache's captured step: the launcher's rule for host lengths (half a split's positions, at
+            # least `tail_min`), applied to the pages the splits share out now; programs past the ring read nothing
+            pps_l = tl.maximum((_live_pages(b_bound, hist_start, m_row, PAGE) + NS - 1) // tl.maximum(NS, 1), 1)
+            chunk = tl.maximum(tail_min, (pps_l * PAGE + 2 * BLOCK_T - 1) // (2 * BLOCK_T) * BLOCK_T)
+        w_lo = j * chunk
         if j == 0:
             b_m, b_l, b_acc = _attend_dense(
                 b_q, b_m, b_l, b_acc, sk_ptr + i_b * stride_skb + i_hk * stride_skh,
@@ -1657,7 +1671,7 @@ def _coded_attention_fwd_kernel(
              DH=DH,)  # fmt: skip
         b_m, b_l, b_acc = _attend_dense(
             b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
-            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_lo, w_lo + tail_chunk,
+            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_lo, w_lo + chunk,
             n_start if DEV_LEN else w_start, b_bound, b_zero + (n_start if DEV_LEN else w_start + W), b_own, m_row,
             p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False, DEV_LEN,
          DH=DH,)  # fmt: skip
@@ -1672,7 +1686,7 @@ def _coded_attention_fwd_kernel(
     else:
         b_nh = b_bound - hist_start  # history tokens row r reads
         # pages any row of the block reads: a program past them exits at once (its partial reads nothing)
-        n_live = (tl.maximum(tl.max(tl.where(m_row, b_nh, 0), axis=0), 0) + PAGE - 1) // PAGE
+        n_live = _live_pages(b_bound, hist_start, m_row, PAGE)
         pps = pages_per_split
         if DEV_LEN:
             # a static cache's captured step: the host split every preallocated page, of which the first `n_live`

@@ -105,7 +105,8 @@ TAIL_BLOCK = 32
 """Positions per loop step of the dense tail (sink, window, new tokens)."""
 
 TAIL_MIN = 64
-"""Fewest window slots a tail program reads when the launcher spreads the window (`tuning["tail_chunk"]` overrides)."""
+"""Fewest window slots a tail program reads when the launcher spreads the window (`tuning["tail_min"]` overrides it,
+`tuning["tail_chunk"]` sets the slots per tail program outright)."""
 
 DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 """Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
@@ -245,13 +246,13 @@ def _coded_attention_fwd(
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
     if vpipe and tune.get("vprec_unroll"):
         step *= 2  # two steps per iteration (`kernels._codes_history_row1p`, VUNROLL)
+    sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
+    per_sm = tune["programs_per_sm"] if row1 else mma_per_sm if mma else (4 if fmt else dense["programs_per_sm"])
     if n_pages == 0:
         ns = 0
     elif num_splits is not None:
         ns = min(num_splits, n_pages)
     else:
-        sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
-        per_sm = tune["programs_per_sm"] if row1 else mma_per_sm if mma else (4 if fmt else dense["programs_per_sm"])
         # V precision: one split per row block keeps the running maximum exact without a first pass over K; v5's
         # score pass splits whenever the row blocks alone leave SMs short of `vprec_fill` programs each
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
@@ -281,9 +282,23 @@ def _coded_attention_fwd(
     # (LoopKV's 256 + a ring page) is not the one program every other one waits for when the history is split finely
     # (H200, INT4 at 8K, the ring of 319 slots: batch 1 42.9 us in one tail program, 33.9 over a split's positions
     # (3 programs), 30.4 over 64-slot ones; batch 2 50.4 / 45.5; batch >= 8 one program either way)
-    tail = tune.get("tail_chunk") or max(TAIL_MIN, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
-    if not isinstance(tail, int) or tail < 1:
+    # A static cell's captured step (session 19) knows the pages its splits share out only on the device: it starts
+    # the tail programs of `tail_min`-slot chunks, and the kernel sizes the chunks by the same rule from the live pages
+    # (those past the ring exit at once), while the grid stays within twice the programs per SM the splits aim at
+    # (beyond, the idle tail programs push split programs into a second wave: H200, INT4 decode at 4K of 8K
+    # preallocated x 16, 140.3 us against 113.4 with the chunk from every preallocated page) and not for v9's two
+    # launches (V precision on v8: 3-4% slower at batch 8; README.md's kernel section has the rows)
+    tail_min = tune.get("tail_min", TAIL_MIN)
+    if isinstance(tail_min, bool) or not isinstance(tail_min, int) or tail_min < 1:
+        raise ValueError(f"`tuning['tail_min']` must be a positive int, got {tail_min!r}")
+    tail = tune.get("tail_chunk") or None
+    if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 1):
         raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail!r}")
+    n_hist = ns * rows if rowx else ns  # v7: a history program per (split, row), split-major (`ROWX`)
+    grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
+    tail_dev = static and tail is None and grid_dev <= 2 * per_sm * sms and not (mma and read_prefix)
+    if tail is None:
+        tail = tail_min if tail_dev else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
     nt = max(1, -(-w_len // tail))
     bound = view.history_end
     key_valid = view.key_valid
@@ -348,6 +363,7 @@ def _coded_attention_fwd(
             pages_per_split=max(pps, 1),
             NS=ns,
             tail_chunk=tail,
+            tail_min=tail_min,
             qk_scale=scaling * _LOG2E,
             margin=(v_precision_tau or 0.0),  # tau * ln 2 in natural units is tau in log2 units
             D=dp,
@@ -368,6 +384,7 @@ def _coded_attention_fwd(
             NP=tune["pages"],
             WORDS=words,
             DEV_LEN=static,
+            TAIL_DEV=tail_dev,
             VPIPE=vpipe,
             SCORES=scores,
             VUNROLL=vpipe and bool(tune.get("vprec_unroll")) and not page_max_only,
@@ -387,7 +404,6 @@ def _coded_attention_fwd(
     else:
         launch = {}
     # v7: `ns * rows` history programs (split-major, the rows of a split adjacent: they read the same codes)
-    n_hist = ns * rows if rowx else ns
     pdl = pdl_options(query)
     if read_prefix:
         _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **pdl, **launch)
