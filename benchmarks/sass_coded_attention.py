@@ -43,6 +43,12 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
         MMA_STAGES=1,
     )  # fmt: skip
     consts.update(extra or {})
+    for k in consts:
+        if k not in fn.arg_names:
+            raise ValueError(f"`extra` names {k!r}, not a kernel argument")
+    # every other constexpr at the kernel's default, as a launch that does not pass it compiles it (left out of
+    # `consts`, it would compile as a runtime integer, with both sides of its branches in the code)
+    consts.update({p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts})
     ptr_types = dict(
         q_ptr=dtype, o_ptr="fp32", lse_ptr="fp32", pmax_ptr="fp32", sc_ptr="fp32", bound_ptr="i32", valid_ptr="i32", hk_ptr="u8",
         hks_ptr="fp16", hkz_ptr="fp16", hv_ptr="u8", hvl_ptr="u8", hvs_ptr="fp16", hvz_ptr="fp16", stats_ptr="fp32",
@@ -66,9 +72,6 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
             sig[name] = "i32"
             if name in div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    for k in list(consts):
-        if k not in fn.arg_names:
-            raise ValueError(f"`extra` names {k!r}, not a kernel argument")
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", 90, 128)
     options = {"num_warps": warps, "num_stages": stages}
