@@ -10,10 +10,20 @@ import pytest
 
 triton = pytest.importorskip("triton")
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") == "1" or not glob.glob(os.path.join(TOOLS, "cuobjdump")),
-    reason="needs Triton's NVIDIA tools (ptxas, cuobjdump) and the compiler (not the interpreter)",
-)
+# the Triton release whose sm_90 output these counts describe (`.ci/run` installs it); another release schedules the
+# loops differently (under the GPU machine's 3.6.0 ten of these fail: v8's loop issues 1.57 instructions per code
+# element and row, not 1.09; benchmarks/notes_coded_attention.md, session 20)
+COUNTED_UNDER = "3.9."
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1" or not glob.glob(os.path.join(TOOLS, "cuobjdump")),
+        reason="needs Triton's NVIDIA tools (ptxas, cuobjdump) and the compiler (not the interpreter)",
+    ),
+    pytest.mark.skipif(
+        not triton.__version__.startswith(COUNTED_UNDER),
+        reason=f"instruction counts taken under Triton {COUNTED_UNDER}x, this is {triton.__version__}",
+    ),
+]
 
 
 def test_default_int4_loop_stays_lean():
