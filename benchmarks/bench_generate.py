@@ -30,7 +30,9 @@ row says which (`fused_ops`), and token comparisons stay within one setting.
 off by default; on only where the GPU and Triton have it) and without; the row says whether its launches took it (`pdl`), and a
 `pdl` row records whether its greedy tokens equal the same row's without it (`tokens_equal_pdl_off`, when that ran
 first). `--fuse-silu on off` does the same for Ouro's down projection reading `silu(gate) * up` in its GEMV kernel
-(`triton_ops.gemv.GEMV_TUNING["fuse_silu"]`; row `fuse_silu`, `tokens_equal_fuse_off`).
+(`triton_ops.gemv.GEMV_TUNING["fuse_silu"]`; row `fuse_silu`, `tokens_equal_fuse_off`). `--gemv on off` the same for
+the decode projections on the Triton GEMV (`GEMV_TUNING["enabled"]`: the shapes `GEMV_CONFIGS` lists) or all on cuBLAS
+(row `gemv`).
 """
 
 from __future__ import annotations
@@ -184,7 +186,10 @@ def run_one(
     quantized_backends: tuple[str, ...] = QUANTIZED_BACKENDS,
 ) -> dict[str, Any]:
     """One row. `timing="pair"`: decode = a full run minus a prefill-only run; `"steps"`: one run, decode timed from
-    the first generated token to the last by a synchronising logits processor (`StepClock`). `warmup_prompt`: the
+    the first generated token to the last by a logits processor that records a CUDA event per token (`StepClock`: no
+    sync added, so the step is the one a user's `generate` runs); `"steps-sync"`: the same with a host sync at each
+    token (the suite's clock up to session 20: it counts transformers' work between the processors and the stop check
+    in the step). `warmup_prompt`: the
     warm-up run of a static cache (ours in `static` / `graph` mode, the `static` peer) and of the quantized peer uses
     the prompt's first `warmup_prompt` tokens (the captured or compiled step depends on the cache's shape, not the
     prompt's length)."""
@@ -201,6 +206,7 @@ def run_one(
         "fused_ops": fused_ops if not peer else None,
         "pdl": pdl,
         "fuse_silu": bool(GEMV_TUNING["fuse_silu"]) if not peer else None,
+        "gemv": bool(GEMV_TUNING["enabled"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -283,7 +289,7 @@ def run_one(
             decode, cpu = t_total - t_prefill, c_total - c_prefill
         else:
             reset_peak(device)
-            clock = StepClock(device)
+            clock = StepClock(device, sync=timing == "steps-sync")
             (out, cache), t_total, _ = _timed(lambda: generate(new_tokens, clock=clock), device)
             steps, decode, cpu = clock.decode()
             t_prefill = t_total - decode
@@ -423,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="batch sizes")
     parser.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt + new tokens (one or more)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
-    parser.add_argument("--timing", default="pair", choices=("pair", "steps"),
-                        help="decode time: full run minus a prefill-only run (pair), or per step in one run (steps)")
+    parser.add_argument("--timing", default="pair", choices=("pair", "steps", "steps-sync"),
+                        help="decode time: full run minus a prefill-only run (pair), or per step in one run (steps: CUDA "
+                             "events, no sync added; steps-sync: a sync at each token, the suite's clock to session 20)")
     parser.add_argument("--warmup-prompt", type=int, default=None,
                         help="prompt tokens of a static cache's warm-up run (default: the whole prompt)")
     parser.add_argument("--deadline-s", type=float, default=None,
@@ -442,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="looped models' norms, RoPE and activation as fused kernels (on) or op by op (off)")
     parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
                         help="the step's Triton kernels with programmatic dependent launch where supported (on) or not")
+    parser.add_argument("--gemv", nargs="+", default=["on"], choices=("on", "off"),
+                        help="decode projections on the Triton GEMV where GEMV_CONFIGS lists it (on) or all on cuBLAS (off)")
     parser.add_argument("--fuse-silu", nargs="+", default=["on"], choices=("on", "off"),
                         help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
@@ -497,14 +506,15 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl in itertools.product(modes, args.fused, args.fuse_silu, args.pdl):
+                for mode, on, fuse, pdl, gemv in itertools.product(modes, args.fused, args.fuse_silu, args.pdl,
+                                                                   args.gemv):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    pdl_before, fuse_before = PDL["enabled"], GEMV_TUNING["fuse_silu"]
-                    PDL["enabled"], GEMV_TUNING["fuse_silu"] = pdl == "on", fuse == "on"
+                    pdl_before, fuse_before, gemv_before = PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"]
+                    PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = pdl == "on", fuse == "on", gemv == "on"
                     try:
                         with contextlib.nullcontext() if on == "on" else fused.disabled():
                             row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
@@ -512,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
                                           fused_ops=on == "on", timing=args.timing,
                                           warmup_prompt=args.warmup_prompt)
                     finally:
-                        PDL["enabled"], GEMV_TUNING["fuse_silu"] = pdl_before, fuse_before
+                        PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = pdl_before, fuse_before, gemv_before
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -21,8 +21,10 @@ finished; the rows carry the GPU and versions in the file's header):
 - `all`: `generate`, `capacity`, `contexts` in turn, each ending by its share of `--budget-s` (time a part leaves
   unused goes to the next).
 
-Every part times decode per step within one run (`--timing steps`: a synchronising logits processor; the rows give the
-mean and the median step) and warms a static cache up from a 320-token prompt (the captured or compiled step depends
+Every part times decode per step within one run (`--timing steps`: a logits processor that records a CUDA event per
+token, so the clock adds no host sync and a step is the one a user's `generate` runs; the rows give the mean and the
+median step; up to session 20 the processor synchronised at each token, `--timing steps-sync`, which counted the host
+work between the processors and transformers' stop check in every step) and warms a static cache up from a 320-token prompt (the captured or compiled step depends
 on the cache's shape only; 320 tokens pass the LoopKV presets' sink and window, so a page is coded and its kernels
 compile), so a row costs one full prefill. A manifest `<prefix>_suite_<part>.json` records each part's command line and seconds. `--tiny` runs the
 same parts at micro shapes on the CPU (the suite's own check; numbers mean nothing there).

@@ -7,6 +7,9 @@
 | `Cache.get_max_cache_shape`           | present              | removed (`get_max_length`)   |
 | `generate(cache=...)`                 | unknown: forwarded to `forward` beside a default `past_key_values` | the keyword (`past_key_values=` deprecated) |
 
+`prepare_inputs_for_generation` of a decode step is built directly (`decode_step_inputs`), checked against
+transformers' own at the first step of each model class.
+
 Everything else the package touches (`Cache(layers=...)`, `CacheLayerMixin`, `get_mask_sizes(query_length, layer_idx)`,
 `crop(tokens_to_remove <= 0)`, `transformers.initialization`) is the same in the whole supported range.
 """
@@ -15,16 +18,22 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers.generation import GenerationMixin
+from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = [
     "CACHE_KWARG",
     "OUTPUT_CACHE_FIELD",
     "cache_argument",
     "causal_lm_output",
+    "decode_step_inputs",
     "generate_cache",
     "generate_cache_kwargs",
 ]
@@ -73,6 +82,82 @@ def causal_lm_output(logits: Any, cache: Any) -> CausalLMOutputWithPast:
     if _fast_output:
         return _causal_lm_output_fast(logits, cache)
     return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
+
+
+# keys transformers' `prepare_inputs_for_generation` treats apart from "forward the rest": a step with any of them set
+# is left to transformers; unset (None), the ones it pops or drops in a decode step are not forwarded
+_POPPED = frozenset(("position_ids", "token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids"))
+_SPECIAL_INPUTS = tuple(
+    (_POPPED - {"position_ids"}) | {"decoder_attention_mask", "decoder_position_ids", "cache_position"}
+    | set(MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL)
+)
+_NOT_FORWARDED = frozenset(
+    _POPPED | {"labels", "next_sequence_length", "is_first_iteration", "inputs_embeds", "attention_mask", CACHE_KWARG}
+    | set(MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL)
+)
+_fast_inputs: dict[type, bool] = {}  # per model class: whether the fast inputs equalled transformers' at a first step
+
+
+def _same_inputs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and x.device == y.device and x.stride() == y.stride() and torch.equal(x, y)):
+                return False
+        elif x is not y and x != y:
+            return False
+    return True
+
+
+def decode_step_inputs(
+    model: Any, input_ids: Any, kwargs: dict[str, Any], transformers_inputs: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """`prepare_inputs_for_generation`'s result for a one-token decode step into a static `LoopCache`, built directly.
+
+    transformers' generic version (5.17 - 5.24) runs between a step's host sync (the stop check) and the next graph
+    replay, so the GPU waits for it: six config reads through `PretrainedConfig.__getattribute__`, the cache's
+    `is_compileable` / `is_linear`, the mask function (which these models turn into the 2-D mask as it is) and the
+    model's `device`. For such a step it returns the new token's ids (a contiguous copy), the cache, the 2-D mask and
+    every other keyword as given (those it pops or drops in a decode step, unset, left out); so does this. A step with
+    any input set that transformers slices, converts or drops (`_SPECIAL_INPUTS`), an embedded or first step, a mask that is not a contiguous 2-D tensor or ids on another
+    device go to `transformers_inputs()`. The first fast step of each model class also runs `transformers_inputs()`
+    and compares the two (keys, tensors' shapes, strides and values, other values): a release whose result differs
+    keeps transformers' from then on."""
+    ok = _fast_inputs.get(type(model))
+    cache = kwargs.get(CACHE_KWARG)
+    mask = kwargs.get("attention_mask")
+    if (
+        ok is False
+        or kwargs.get("next_sequence_length") != 1
+        or kwargs.get("is_first_iteration")
+        or not kwargs.get("use_cache", True)
+        or not getattr(cache, "static", False)
+        or getattr(cache, "_length_t", None) is None  # nothing cached yet: a prefill
+        or not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not mask.is_contiguous()))
+        or any(kwargs.get(key) is not None for key in _SPECIAL_INPUTS)
+        or input_ids.device != model.device
+    ):
+        return transformers_inputs()
+    out: dict[str, Any] = {"input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format)}
+    out[CACHE_KWARG] = cache
+    pos = kwargs.get("position_ids")  # (5.24 keeps every position in the kwargs: the step's is the last)
+    if pos is not None:
+        out["position_ids"] = pos if pos.shape[-1] == 1 else pos[..., -1:].clone(memory_format=torch.contiguous_format)
+    if mask is not None:
+        out["attention_mask"] = mask
+    for key, value in kwargs.items():
+        if key not in out and key not in _NOT_FORWARDED:
+            out[key] = value
+    if ok is None:
+        slow = transformers_inputs()
+        _fast_inputs[type(model)] = _same_inputs(out, slow)
+        return slow
+    return out
 
 
 def cache_argument(past_key_values: Any, cache: Any) -> Any:

@@ -201,3 +201,32 @@ def test_plot_suite_draws_every_panel(tmp_path):
     assert out.stat().st_size > 10_000
     decode, capacity = plot_suite.load(_files(tmp_path))
     assert len(decode) == 10 and len(capacity) == 1
+
+
+def test_the_step_clock_counts_steps_on_the_host_clock_off_cuda():
+    clock = common.StepClock("cpu")
+    for _ in range(4):
+        clock(None, torch.zeros(1))
+    steps, wall, cpu = clock.decode()
+    assert steps == 3 and wall >= 0 and cpu >= 0
+    assert clock.median_step_s() >= 0 and len(clock.times) == 4
+
+
+@pytest.mark.gpu
+def test_the_step_clock_adds_no_sync_on_cuda_unless_asked(monkeypatch):
+    """A `generate` step keeps its own one host sync: the default clock records events; `sync=True` (the old clock)
+    synchronises at each mark."""
+    calls = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    x = torch.randn(1024, 1024, device="cuda")
+    clock = common.StepClock("cuda")
+    for _ in range(4):
+        x = x @ x / 32.0
+        clock(None, x)
+    assert not calls
+    times = clock.times
+    assert len(times) == 4 and times[0] == 0.0 and all(b >= a for a, b in zip(times, times[1:]))
+    old = common.StepClock("cuda", sync=True)
+    old(None, x)
+    assert calls

@@ -93,3 +93,103 @@ def test_device_and_dtype_are_transformers_answer(arch):
     model.register_parameter("counter", nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False))
     same(model)
     assert model.dtype == torch.float64
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("name", ["full", "kivi4"])
+def test_decode_step_inputs_are_transformers_own_at_every_step(arch, name, padded, monkeypatch):
+    """A decode step into a static cache builds its inputs directly (`_compat.decode_step_inputs`); at every step of
+    a greedy generate, left-padded or not, they equal what transformers' `prepare_inputs_for_generation` builds, and the tokens
+    equal those of a generate that takes transformers' inputs throughout."""
+    from transformers.generation import GenerationMixin
+
+    from hf_loopcache import _compat
+
+    monkeypatch.setattr(_compat, "_fast_inputs", {})
+    model = make_model(arch)
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0 if padded else 1  # (transformers 5.24 hands an all-ones mask on as None)
+    steps = {"fast": 0, "transformers": 0}
+    inner = _compat.decode_step_inputs
+
+    def checked(model_, input_ids, kwargs, transformers_inputs):
+        out = inner(model_, input_ids, kwargs, transformers_inputs)
+        if _compat._fast_inputs.get(type(model_)) and kwargs.get("next_sequence_length") == 1:
+            own = GenerationMixin.prepare_inputs_for_generation(model_, input_ids, **kwargs)
+            assert _compat._same_inputs(out, own)
+            steps["fast"] += 1
+        else:
+            steps["transformers"] += 1
+        return out
+
+    def run(fast: bool) -> torch.Tensor:
+        _compat._fast_inputs.clear()
+        if not fast:
+            _compat._fast_inputs[type(model)] = False
+        cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=32)
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False,
+                              pad_token_id=0, **call_kwargs(arch))
+
+    monkeypatch.setattr(_compat, "decode_step_inputs", checked)
+    from hf_loopcache.models import _common
+
+    monkeypatch.setattr(_common, "decode_step_inputs", checked)
+    fast = run(True)
+    assert _compat._fast_inputs[type(model)] is True
+    assert steps["fast"] == 7  # 8 tokens: the prefill's, then 7 decode steps (the first also builds transformers')
+    slow = run(False)
+    assert torch.equal(fast, slow)
+
+
+def test_decode_step_inputs_keep_transformers_own_where_they_differ(monkeypatch):
+    """A release whose inputs differ from the direct ones keeps its own from the first step on; a step with inputs
+    transformers converts (positions), a growable cache or a prefill never takes the direct path."""
+    from hf_loopcache import _compat
+
+    monkeypatch.setattr(_compat, "_fast_inputs", {})
+    model = make_model("ouro")
+    cache = FullLoopCache(model, static=True, max_batch_size=1, max_cache_len=16)
+    ids = torch.randint(3, 60, (1, 6))
+    model(ids, cache=cache)
+    kwargs = {_compat.CACHE_KWARG: cache, "attention_mask": torch.ones(1, 7, dtype=torch.long), "use_cache": True,
+              "next_sequence_length": 1}
+    calls = []
+
+    def other():
+        calls.append(1)
+        return {"input_ids": ids[:, -1:], "extra": 1}
+
+    step = torch.cat([ids, ids[:, :1]], 1)
+    assert _compat.decode_step_inputs(model, step, kwargs, other) == other()
+    assert _compat._fast_inputs[type(model)] is False
+    calls.clear()
+    assert "extra" in _compat.decode_step_inputs(model, step, kwargs, other) and calls  # its own from then on
+
+    _compat._fast_inputs.clear()
+    for changed in ({"token_type_ids": torch.zeros(1, 7, dtype=torch.long)}, {"next_sequence_length": 2},
+                    {"is_first_iteration": True}, {_compat.CACHE_KWARG: FullLoopCache(model)}):
+        calls.clear()
+        _compat.decode_step_inputs(model, step, {**kwargs, **changed}, other)
+        assert calls, changed
+    assert type(model) not in _compat._fast_inputs
+    same = {"input_ids": step[:, -1:].clone(memory_format=torch.contiguous_format), _compat.CACHE_KWARG: cache, "attention_mask": kwargs["attention_mask"],
+            "use_cache": True}
+    assert _compat.decode_step_inputs(model, step, kwargs, lambda: same) is same  # the first: transformers' own
+    fast = _compat.decode_step_inputs(model, step, kwargs, other)  # then the direct one
+    assert _compat._fast_inputs[type(model)] is True and torch.equal(fast["input_ids"], step[:, -1:])
+
+
+@pytest.mark.gpu
+def test_the_gap_and_launch_benchmarks_run_on_a_gpu():
+    """`profile_step --gaps` times a captured step's host timeline; `bench_graph_launch` replays chunked graphs and
+    checks that every kernel ran."""
+    from benchmarks import bench_graph_launch, profile_step
+    from benchmarks.common import build
+
+    row = bench_graph_launch.measure(40, 4, reps=3)
+    assert row["chunks"] == 4 and row["back_to_back_us"] > 0
+    model = build("micro-ouro", torch.float32, "cuda").to("cuda")
+    gaps = profile_step.host_gaps(model, "full", 1, 256, 4, "cuda")
+    assert all(v is not None and v > 0 for v in gaps["host_us"].values())
+    assert gaps["replay_back_to_back_ms"] > 0 and gaps["profiled_steps"] == 4

@@ -14,7 +14,13 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
 
-from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, generate_cache, generate_cache_kwargs
+from hf_loopcache._compat import (
+    CACHE_KWARG,
+    OUTPUT_CACHE_FIELD,
+    decode_step_inputs,
+    generate_cache,
+    generate_cache_kwargs,
+)
 from hf_loopcache.attention import AttentionInputs, LoopAttentionCache, dense_attention, eager_attention
 from triton_ops import fused, gemv
 from triton_ops._dispatch import no_pdl
@@ -782,6 +788,17 @@ class LoopGenerationMixin(GenerationMixin):
         """transformers' `ModuleUtilsMixin.dtype` (the first floating parameter's dtype), found as `device` is."""
         first = _first_parameter(cast("nn.Module", self), floating=True)
         return super().dtype if first is None else first.dtype  # type: ignore[misc]
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """transformers' inputs of a generate step; a one-token decode step into a static cache builds them directly
+        (`_compat.decode_step_inputs`: the host work between a step's sync and its graph replay, which the GPU waits
+        for), checked against transformers' own at the first such step."""
+        if args:
+            return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)  # type: ignore[misc]
+        return decode_step_inputs(
+            self, input_ids, kwargs, lambda: super(LoopGenerationMixin, self).prepare_inputs_for_generation(
+                input_ids, **kwargs)
+        )
 
     def draft_kwargs(self, loops: int) -> dict[str, Any]:
         """Forward keyword arguments of a self-speculative draft that runs `loops` loops (fewer than the model's)."""
