@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pdl", nargs="+", default=["off"], choices=("on", "off"),
                         help="the step's Triton kernels with programmatic dependent launch where supported (on) or not")
     parser.add_argument("--gemv", nargs="+", default=["on"], choices=("on", "off"),
-                        help="decode projections on the Triton GEMV where GEMV_CONFIGS lists it (on) or all on cuBLAS (off)")
+                        help="decode projections on the Triton GEMV where GEMV_CONFIGS lists them (on) or on cuBLAS (off)")
     parser.add_argument("--fuse-silu", nargs="+", default=["on"], choices=("on", "off"),
                         help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
@@ -513,8 +513,9 @@ def main(argv: list[str] | None = None) -> None:
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    pdl_before, fuse_before, gemv_before = PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"]
-                    PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = pdl == "on", fuse == "on", gemv == "on"
+                    before = PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"]
+                    PDL["enabled"] = pdl == "on"
+                    GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = fuse == "on", gemv == "on"
                     try:
                         with contextlib.nullcontext() if on == "on" else fused.disabled():
                             row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
@@ -522,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
                                           fused_ops=on == "on", timing=args.timing,
                                           warmup_prompt=args.warmup_prompt)
                     finally:
-                        PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = pdl_before, fuse_before, gemv_before
+                        PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = before
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

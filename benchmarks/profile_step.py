@@ -97,7 +97,9 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-def host_gaps(model: Any, cache_name: str, batch: int, context: int, steps: int, device: str = "cuda") -> dict[str, Any]:
+def host_gaps(
+    model: Any, cache_name: str, batch: int, context: int, steps: int, device: str = "cuda"
+) -> dict[str, Any]:
     """Where a captured `generate` step spends the time its kernels do not.
 
     - `step_ms`: the median decode step (`StepClock`); `replay_back_to_back_ms`: the captured forward replayed 20

@@ -120,11 +120,12 @@ def decode_step_inputs(
     transformers' generic version (5.17 - 5.24) runs between a step's host sync (the stop check) and the next graph
     replay, so the GPU waits for it: six config reads through `PretrainedConfig.__getattribute__`, the cache's
     `is_compileable` / `is_linear`, the mask function (which these models turn into the 2-D mask as it is) and the
-    model's `device`. For such a step it returns the new token's ids (a contiguous copy), the cache, the 2-D mask and
-    every other keyword as given (those it pops or drops in a decode step, unset, left out); so does this. A step with
-    any input set that transformers slices, converts or drops (`_SPECIAL_INPUTS`), an embedded or first step, a mask that is not a contiguous 2-D tensor or ids on another
-    device go to `transformers_inputs()`. The first fast step of each model class also runs `transformers_inputs()`
-    and compares the two (keys, tensors' shapes, strides and values, other values): a release whose result differs
+    model's `device`. For such a step it returns the new token's ids and position (contiguous copies of the last
+    ones), the cache, the 2-D mask and every other keyword as given (those it pops or drops in a decode step, unset,
+    left out); so does this. A step with an input set that transformers slices, converts or drops
+    (`_SPECIAL_INPUTS`), an embedded or first step, a mask that is not a contiguous 2-D tensor, or ids on another
+    device goes to `transformers_inputs()`. The first fast step of each model class also runs `transformers_inputs()`
+    and compares the two (keys; tensors' shapes, strides and values; other values): a release whose result differs
     keeps transformers' from then on."""
     ok = _fast_inputs.get(type(model))
     cache = kwargs.get(CACHE_KWARG)

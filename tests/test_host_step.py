@@ -99,8 +99,8 @@ def test_device_and_dtype_are_transformers_answer(arch):
 @pytest.mark.parametrize("name", ["full", "kivi4"])
 def test_decode_step_inputs_are_transformers_own_at_every_step(arch, name, padded, monkeypatch):
     """A decode step into a static cache builds its inputs directly (`_compat.decode_step_inputs`); at every step of
-    a greedy generate, left-padded or not, they equal what transformers' `prepare_inputs_for_generation` builds, and the tokens
-    equal those of a generate that takes transformers' inputs throughout."""
+    a greedy generate, left-padded or not, they equal what transformers' `prepare_inputs_for_generation` builds, and
+    the tokens equal those of a generate that takes transformers' inputs throughout."""
     from transformers.generation import GenerationMixin
 
     from hf_loopcache import _compat
@@ -173,8 +173,8 @@ def test_decode_step_inputs_keep_transformers_own_where_they_differ(monkeypatch)
         _compat.decode_step_inputs(model, step, {**kwargs, **changed}, other)
         assert calls, changed
     assert type(model) not in _compat._fast_inputs
-    same = {"input_ids": step[:, -1:].clone(memory_format=torch.contiguous_format), _compat.CACHE_KWARG: cache, "attention_mask": kwargs["attention_mask"],
-            "use_cache": True}
+    same = {"input_ids": step[:, -1:].clone(memory_format=torch.contiguous_format), _compat.CACHE_KWARG: cache,
+            "attention_mask": kwargs["attention_mask"], "use_cache": True}
     assert _compat.decode_step_inputs(model, step, kwargs, lambda: same) is same  # the first: transformers' own
     fast = _compat.decode_step_inputs(model, step, kwargs, other)  # then the direct one
     assert _compat._fast_inputs[type(model)] is True and torch.equal(fast["input_ids"], step[:, -1:])
