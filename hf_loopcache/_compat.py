@@ -87,7 +87,7 @@ def causal_lm_output(logits: Any, cache: Any) -> CausalLMOutputWithPast:
 # keys transformers' `prepare_inputs_for_generation` treats apart from "forward the rest": a step with any of them set
 # is left to transformers; unset (None), the ones it pops or drops in a decode step are not forwarded
 _POPPED = frozenset(("position_ids", "token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids"))
-_SPECIAL_INPUTS = tuple(
+_SPECIAL_INPUTS = frozenset(
     (_POPPED - {"position_ids"}) | {"decoder_attention_mask", "decoder_position_ids", "cache_position"}
     | set(MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL)
 )
@@ -140,7 +140,7 @@ def decode_step_inputs(
         or not isinstance(input_ids, torch.Tensor)
         or input_ids.dim() != 2
         or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not mask.is_contiguous()))
-        or any(kwargs.get(key) is not None for key in _SPECIAL_INPUTS)
+        or any(value is not None and key in _SPECIAL_INPUTS for key, value in kwargs.items())
         or input_ids.device != model.device
     ):
         return transformers_inputs()

@@ -144,7 +144,7 @@ def test_decode_step_inputs_are_transformers_own_at_every_step(arch, name, padde
 
 def test_decode_step_inputs_keep_transformers_own_where_they_differ(monkeypatch):
     """A release whose inputs differ from the direct ones keeps its own from the first step on; a step with inputs
-    transformers converts (positions), a growable cache or a prefill never takes the direct path."""
+    transformers pops (token types), a longer or first step or a growable cache never takes the direct path."""
     from hf_loopcache import _compat
 
     monkeypatch.setattr(_compat, "_fast_inputs", {})
