@@ -32,7 +32,8 @@ off by default; on only where the GPU and Triton have it) and without; the row s
 first). `--fuse-silu on off` does the same for Ouro's down projection reading `silu(gate) * up` in its GEMV kernel
 (`triton_ops.gemv.GEMV_TUNING["fuse_silu"]`; row `fuse_silu`, `tokens_equal_fuse_off`). `--gemv on off` the same for
 the decode projections on the Triton GEMV (`GEMV_TUNING["enabled"]`: the shapes `GEMV_CONFIGS` lists) or all on cuBLAS
-(row `gemv`).
+(row `gemv`), and `--fuse-rope on off` for Ouro's q/k/v projection rotating queries and keys in its GEMV kernel
+(`GEMV_TUNING["fuse_rope"]`; row `fuse_rope`, `tokens_equal_fuse_rope_off`).
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ def run_one(
         "fused_ops": fused_ops if not peer else None,
         "pdl": pdl,
         "fuse_silu": bool(GEMV_TUNING["fuse_silu"]) if not peer else None,
+        "fuse_rope": bool(GEMV_TUNING["fuse_rope"]) if not peer else None,
         "gemv": bool(GEMV_TUNING["enabled"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
@@ -306,7 +308,8 @@ def run_one(
             generated=int(out.shape[1] - prompt_len),
         )
         if reference is not None and not peer:
-            key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_silu"]), pdl)
+            key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_rope"]),
+                   bool(GEMV_TUNING["fuse_silu"]), pdl)
             reference[(*key, mode)] = out.cpu()
             for other in ("eager", "static"):
                 if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
@@ -321,6 +324,10 @@ def run_one(
                 seen = reference[(*key[:-2], False, pdl, mode)]
                 row["tokens_equal_fuse_off"] = bool(torch.equal(seen, out.cpu()))
                 row["first_mismatch_fuse_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
+            if key[6] and (*key[:6], False, *key[7:], mode) in reference:
+                seen = reference[(*key[:6], False, *key[7:], mode)]
+                row["tokens_equal_fuse_rope_off"] = bool(torch.equal(seen, out.cpu()))
+                row["first_mismatch_fuse_rope_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
         if not peer:
             row.update(
                 cache_allocated_gib=round(cache.nbytes() / 2**30, 3),
@@ -453,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode projections on the Triton GEMV where GEMV_CONFIGS lists them (on) or on cuBLAS (off)")
     parser.add_argument("--fuse-silu", nargs="+", default=["on"], choices=("on", "off"),
                         help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")
+    parser.add_argument("--fuse-rope", nargs="+", default=["on"], choices=("on", "off"),
+                        help="Ouro's q/k/v projection rotates queries and keys in its GEMV kernel where it takes it (on)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -506,16 +515,18 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv in itertools.product(modes, args.fused, args.fuse_silu, args.pdl,
-                                                                   args.gemv):
+                for mode, on, fuse, pdl, gemv, fuse_rope in itertools.product(
+                    modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope
+                ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    before = PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"]
+                    before = PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"], GEMV_TUNING["fuse_rope"]
                     PDL["enabled"] = pdl == "on"
                     GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = fuse == "on", gemv == "on"
+                    GEMV_TUNING["fuse_rope"] = fuse_rope == "on"
                     try:
                         with contextlib.nullcontext() if on == "on" else fused.disabled():
                             row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
@@ -523,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
                                           fused_ops=on == "on", timing=args.timing,
                                           warmup_prompt=args.warmup_prompt)
                     finally:
-                        PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = before
+                        PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"], GEMV_TUNING["fuse_rope"] = before
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -51,6 +52,7 @@ __all__ = [
     "silu_linear",
     "stacked_linear",
     "stacked_projection",
+    "stacked_rope_projection",
 ]
 
 
@@ -273,23 +275,48 @@ def _stackable(owner: nn.Module, linears: list[nn.Linear], x: torch.Tensor) -> b
     return len({lin.weight.dtype for lin in linears}) == 1
 
 
-def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
-    """`torch.cat([owner.<name>(x) for name in names], -1)` as one GEMM over the weights stacked in one buffer, or None
-    when the input is not short or the projections cannot be stacked (see `stacked_linear`)."""
+def _stacked_weight(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """The buffer holding `owner.<name>.weight` for every name, stacked (built on first use, see `stacked_linear`),
+    and whether it was built by this call; None when the input is not short or the projections cannot be stacked."""
     linears = [getattr(owner, name) for name in names]
     if not _stackable(owner, linears, x):
         return None
     cached = owner.__dict__.get("_stacked_weights", {}).get(names)
-    if cached is None or cached[1] != [lin.weight.data_ptr() for lin in linears]:
-        with torch.no_grad():
-            buffer = torch.cat([lin.weight.detach() for lin in linears])
-            for lin, part in zip(linears, buffer.split([lin.out_features for lin in linears])):
-                lin.weight.data = part
-        cached = (buffer, [lin.weight.data_ptr() for lin in linears])
-        owner.__dict__.setdefault("_stacked_weights", {})[names] = cached
-        with no_pdl():  # the kernel just before wrote the buffer: no weight read before waiting for it
-            return gemv.linear(x, cached[0])
-    return gemv.linear(x, cached[0])
+    if cached is not None and cached[1] == [lin.weight.data_ptr() for lin in linears]:
+        return cached[0], False
+    with torch.no_grad():
+        buffer = torch.cat([lin.weight.detach() for lin in linears])
+        for lin, part in zip(linears, buffer.split([lin.out_features for lin in linears])):
+            lin.weight.data = part
+    owner.__dict__.setdefault("_stacked_weights", {})[names] = (buffer, [lin.weight.data_ptr() for lin in linears])
+    return buffer, True
+
+
+def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """`torch.cat([owner.<name>(x) for name in names], -1)` as one GEMM over the weights stacked in one buffer, or None
+    when the input is not short or the projections cannot be stacked (see `stacked_linear`)."""
+    found = _stacked_weight(owner, names, x)
+    if found is None:
+        return None
+    # (a buffer built just now was written by the kernel before: no weight read before waiting for it)
+    with no_pdl() if found[1] else contextlib.nullcontext():
+        return gemv.linear(x, found[0])
+
+
+def stacked_rope_projection(
+    owner: nn.Module, names: tuple[str, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int
+) -> tuple[torch.Tensor, bool] | None:
+    """`stacked_projection` of a q/k/v projection whose first `rotated` output features (queries and keys, heads of
+    `cos.shape[-1]` channels) take rotate-half RoPE: `(y, True)` with them rotated in the GEMV kernel
+    (`triton_ops.gemv.linear_rope`, the same bits as `fused.rotate_half` after the projection), `(y, False)` with
+    them not rotated where that kernel is not launched (the caller rotates them), None where `stacked_projection`
+    gives None."""
+    found = _stacked_weight(owner, names, x)
+    if found is None:
+        return None
+    with no_pdl() if found[1] else contextlib.nullcontext():
+        y = gemv.linear_rope(x, found[0], cos, sin, rotated)
+        return (y, True) if y is not None else (gemv.linear(x, found[0]), False)
 
 
 def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -174,8 +174,9 @@ def test_gemv_kernel_compiles_for_sm90(dot, partial, pdl):
 
     consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=16 if dot else 8, BLOCK_K=256 if dot else 512, USE_DOT=dot,
                   IEEE=False, PARTIAL=partial, HAS_BIAS=not partial, PRELOAD=pdl and not dot,
-                  GATED=pdl and not dot, USE_PDL=pdl)  # fmt: skip
-    ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32")
+                  GATED=pdl and not dot, USE_PDL=pdl, ROPE=False, HALF=1)  # fmt: skip
+    ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32",
+               cos_ptr="bf16", sin_ptr="bf16")  # fmt: skip
     aligned = {"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
                "stride_om", "stride_os"}  # fmt: skip
     opts = {"launch_pdl": True} if pdl else {}
@@ -190,6 +191,108 @@ def test_gemv_kernel_compiles_for_sm90(dot, partial, pdl):
         assert ("griddepcontrol.wait" in code) == pdl and ("griddepcontrol.launch_dependents" in code) == pdl
     if pdl and not dot:  # the weight tile is requested before the wait, `x` after it
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("block_n", [2, 4])
+def test_rope_epilogue_compiles_for_sm90(block_n):
+    """RoPE in the projection's store (`linear_rope`) at Ouro-1.4B's q/k/v settings for one row (the table's 4 x 512,
+    2 warps, and 2 x 2048): the tables are loaded after the product, nothing spills."""
+    from triton_ops.gemv.kernels import _gemv_fwd_kernel
+
+    consts = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 if block_n == 4 else 2048, USE_DOT=False, IEEE=False,
+                  PARTIAL=False, HAS_BIAS=False, PRELOAD=False, GATED=False, USE_PDL=False, ROPE=True, HALF=64)
+    ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="bf16", cos_ptr="bf16", sin_ptr="bf16")
+    aligned = {"x_ptr", "w_ptr", "out_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om", "cos_ptr",
+               "sin_ptr", "stride_cs"}  # fmt: skip
+    kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=2 if block_n == 4 else 4,
+                              num_stages=2)  # fmt: skip
+    assert kernel.asm.get("cubin") and ".local" not in kernel.asm["ptx"]
+
+
+@kernels
+@pytest.mark.parametrize("config", ["fma-bn4", "dot-bn32", "preload-bn4", "fma-bn2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+def test_linear_rope_is_the_projection_then_rotate_half(on_cpu, monkeypatch, config, dtype, m):
+    """`linear_rope` rotates the queries and keys of a stacked q/k/v projection in the GEMV kernel: the bits of the
+    projection at the same settings followed by `rotate_half`'s kernel, and the values (past `rotated`) unrotated;
+    a kernel that paired a channel with the wrong partner, took the sign the wrong way round or read another row's
+    angles would differ. Heads of 32 channels, 2 query and 1 key / value heads."""
+    from triton_ops.fused import ops as fused_ops
+
+    if INTERPRET and not torch.cuda.is_available():  # the rotation kernel too, not its reference
+        monkeypatch.setattr(fused_ops, "use_triton", lambda op, *tensors: True)
+    cfg = CONFIGS.get(config, {"block_n": 2, "block_k": 64, "dot": False, "num_warps": 4, "num_stages": 2, "split": 1})
+    monkeypatch.setattr(ops, "routes", lambda *a, **kw: True)
+    monkeypatch.setattr(ops, "gemv_config", lambda *a: {**ops.default_config(*a), **cfg})
+    d, hq, hk, k = 32, 2, 1, 80
+    n, rotated = (hq + 2 * hk) * d, (hq + hk) * d
+    x = _rand((m, 1, k), dtype, 0)
+    w = _rand((n, k), dtype, 1, k**-0.5)
+    angles = _rand((m, 1, d // 2), torch.float32, 2, 3.0)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    y = ops.linear_rope(x, w, cos, sin, rotated)
+    plain = gemv(x, w, config=cfg)
+    qk = fused_ops.rotate_half(plain[..., :rotated].reshape(m, 1, hq + hk, d), cos, sin)
+    assert y is not None and y.shape == (m, 1, n)
+    assert torch.equal(y[..., :rotated].reshape(qk.shape), qk) and torch.equal(y[..., rotated:], plain[..., rotated:])
+    assert not torch.equal(y[..., :rotated], plain[..., :rotated])  # (the rotation did something)
+
+
+def test_linear_rope_declines_where_the_kernel_cannot_rotate(monkeypatch):
+    """None (the caller rotates after the projection) off CUDA, with `fuse_rope` off, a K split, blocks of one feature
+    or of pairs that do not divide a half head, or tables in another dtype."""
+    x, w = torch.randn(1, 1, 64, dtype=torch.float16), torch.randn(128, 64, dtype=torch.float16)
+    cos = sin = torch.ones(1, 1, 32, dtype=torch.float16)
+    assert ops.linear_rope(x, w, cos, sin, 64) is None  # CPU: `linear` takes F.linear
+    monkeypatch.setattr(ops, "routes", lambda *a, **kw: True)
+    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a, **kw: torch.zeros(1, 128, dtype=torch.float16))
+    base = {"block_n": 4, "block_k": 64, "dot": False, "num_warps": 2, "num_stages": 2, "split": 1}
+    monkeypatch.setattr(ops, "gemv_config", lambda *a: dict(base))
+    assert ops.linear_rope(x, w, cos, sin, 64) is not None
+    assert ops.linear_rope(x, w, cos.float(), sin.float(), 64) is None
+    assert ops.linear_rope(x, w, cos, sin, 48) is None  # not whole heads
+    monkeypatch.setitem(GEMV_TUNING, "fuse_rope", False)
+    assert ops.linear_rope(x, w, cos, sin, 64) is None
+    monkeypatch.setitem(GEMV_TUNING, "fuse_rope", True)
+    for bad in ({"block_n": 1}, {"block_n": 64}, {"block_n": 6}, {"split": 2, "block_k": 32}):
+        monkeypatch.setattr(ops, "gemv_config", lambda *a, bad=bad: {**base, **bad})
+        assert ops.linear_rope(x, w, cos, sin, 64) is None, bad
+
+
+@kernels
+def test_tiny_ouro_rotates_in_the_projection_kernel_bit_for_bit(on_cpu, monkeypatch):
+    """A tiny fp16 Ouro prompt and decode step with the projections on the kernel: the q/k/v launches carry RoPE
+    (`linear_rope`; strided query and key views downstream), and the logits equal those of the rotation run as its
+    own kernel (`fuse_rope` off), bit for bit."""
+    from hf_loopcache import FullLoopCache
+    from triton_ops.fused import ops as fused_ops
+
+    if INTERPRET and not torch.cuda.is_available():
+        monkeypatch.setattr(fused_ops, "use_triton", lambda op, *tensors: True)
+    torch.manual_seed(0)
+    model, _ = _tiny("ouro")
+    model = model.to(DEVICE, torch.float16).eval()
+    ids = torch.randint(1, 64, (1, 5), device=DEVICE)
+    monkeypatch.setitem(GEMV_TUNING, "enabled", True)
+    monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
+    rope_launches = []
+    real = ops._gemv_fwd
+    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a, **kw: rope_launches.append(kw.get("rope") is not None)
+                        or real(*a, **kw))  # fmt: skip
+
+    def decode():
+        cache = FullLoopCache(model)
+        with torch.no_grad():
+            model(ids[:, :4], cache=cache)
+            return model(ids[:, 4:], cache=cache).logits
+
+    fused_rope = decode()
+    assert sum(rope_launches) == 2 * 2  # q/k/v of the prompt and the decode step, in each of the 2 loops
+    rope_launches.clear()
+    monkeypatch.setitem(GEMV_TUNING, "fuse_rope", False)
+    assert torch.equal(decode(), fused_rope) and not any(rope_launches)
 
 
 # ---- dispatch (any machine) ----
@@ -312,7 +415,7 @@ def test_tiny_model_decode_matches_with_the_switch_on(on_cpu, monkeypatch, famil
     ids = torch.randint(1, 64, (1, 5), device=DEVICE)
     launched = []
     real = ops._gemv_fwd
-    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a: launched.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
 
     def decode():
         cache = FullLoopCache(model)

@@ -1328,10 +1328,10 @@ def _codes_history_mma(
     o_mv = tl.arange(0, KV)  # value column (g, u, h, e)
     o_dv = 16 * (o_mv // 4) + 8 * ((o_mv // 2) % 2) + o_mv % 2  # its channel, less 2I
     o_g = tl.arange(0, NG)
-    o_gu = (o_g[:, None] * VW + tl.arange(0, VW)[None, :])[None, :, :]  # [1, NG, VW] plane word
+    o_gw = tl.arange(0, NG * VW)[None, :]  # [1, NG * VW] plane word of a token: group `w // VW`
     m_wd = (o_w < DH // LANES)[None, :]
     m_gd = o_g < DH // VGROUP
-    m_gv, m_gs = m_gd[None, :, None], m_gd[None, :]
+    m_gw, m_gs = o_gw // VW < DH // VGROUP, m_gd[None, :]
     m_q = _cmask(m_row[:, None], (o_dk < DH)[None, :], PAD)
     b_q0 = _mma_qlane(p_qrow, o_dk, m_q, OP)  # [BR, KK] the channels of key dot 0
     b_q1 = _mma_qlane(p_qrow, o_dk + 2, m_q, OP)
@@ -1387,9 +1387,9 @@ def _codes_history_mma(
             b_pf = tl.exp2(b_s - tl.where(b_mr == float("-inf"), 0.0, b_mr)[:, None])  # 0 where not read
             b_lv += b_pf
             b_p = b_pf.to(OP)
-            o_v3 = o_t[:, None, None] * stride_hvt + o_gu
-            m_v3 = _cmask(m_t[:, None, None], m_gv, PAD)
-            b_vh = tl.load(hv_ptr + o_v3, mask=m_v3, other=0)  # [T, NG, VW] words
+            o_v3 = o_t[:, None] * stride_hvt + o_gw  # [T, NG * VW]: loaded 2-D, split in registers
+            m_v3 = _cmask(m_t[:, None], m_gw, PAD)
+            b_vh = tl.reshape(tl.load(hv_ptr + o_v3, mask=m_v3, other=0), [PAGE, NG, VW])  # [T, NG, VW] words
             o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
             b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)  # [T, NG]
             b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)
@@ -1406,7 +1406,8 @@ def _codes_history_mma(
                 b_acc3 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 3, False, FAST), IEEE)
                 m_lo = m_t & (tl.max(m_hot.to(tl.int32), axis=0) > 0)  # [T] tokens some row reads hot
                 if tl.max(m_lo.to(tl.int32), axis=0) > 0:  # a page every row reads cold loads no `lo`
-                    b_vl = tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None, None], m_gv, PAD), other=0)
+                    b_vl = tl.reshape(tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None], m_gw, PAD), other=0),
+                                      [PAGE, NG, VW])
                     b_ph = tl.where(m_hot, b_pf, 0.0).to(OP)
                     b_acc0 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 0, True, FAST), IEEE)
                     b_acc1 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 1, True, FAST), IEEE)
@@ -1414,7 +1415,7 @@ def _codes_history_mma(
                     b_acc3 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 3, True, FAST), IEEE)
             else:
                 if KV_FMT == 4:
-                    b_vl = tl.load(hvl_ptr + o_v3, mask=m_v3, other=0)
+                    b_vl = tl.reshape(tl.load(hvl_ptr + o_v3, mask=m_v3, other=0), [PAGE, NG, VW])
                 else:
                     b_vl = b_vh
                 w_a, w_c = _value_words(b_vh, b_vl, KV_FMT)

@@ -7,6 +7,9 @@ enough programs to fill the SMs (K split into ranges added in a fixed order when
   decode-sized one on CUDA (`routes`), `F.linear` otherwise. Off by default.
 - `silu_linear(x, weight, bias=None)`: a gated MLP's down projection of `x = [gate | up]`, the activation read in the
   kernel's input load where the projection takes the kernel (`GEMV_TUNING["fuse_silu"]`).
+- `linear_rope(x, weight, cos, sin, rotated)`: a stacked q/k/v projection with rotate-half RoPE applied to its
+  queries and keys in the kernel (`GEMV_TUNING["fuse_rope"]`), or None where `linear` would not launch the kernel
+  with settings that allow it (the caller rotates with `triton_ops.fused.rotate_half`).
 - `GEMV_TUNING`, `GEMV_CONFIGS`: the switch and defaults, and the measured settings per `(N, K)` and row class.
 
 See `README.md`.
@@ -19,6 +22,7 @@ from triton_ops.gemv.ops import (
     gemv,
     gemv_config,
     linear,
+    linear_rope,
     routes,
     silu_linear,
 )
@@ -31,6 +35,7 @@ __all__ = [
     "gemv",
     "gemv_config",
     "linear",
+    "linear_rope",
     "ref_gemv",
     "routes",
     "silu_linear",

@@ -11,6 +11,9 @@ first weight tile before the wait (weights are no kernel's output), and each nex
 
 `GATED` (a gated MLP's down projection): each row of `x` is `[gate | up]`, `2K` values, and the kernel reads
 `silu(gate) * up` (rounded as `triton_ops.fused.silu_mul` rounds it) as its input: no separate activation kernel.
+
+`ROPE` (a stacked q/k/v projection, `linear_rope`): each program computes channel pairs `(c, c + D/2)` of one head
+and applies rotate-half RoPE to the query and key features before its store: no separate rotation kernel.
 """
 
 from __future__ import annotations
@@ -36,15 +39,28 @@ def _x_tile(p, m, K, GATED: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count of a block
 def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
+                     cos_ptr, sin_ptr, stride_cs, ROT,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                      IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRELOAD: tl.constexpr,
-                     GATED: tl.constexpr, USE_PDL: tl.constexpr):
+                     GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
     """`x` `[M, K]` (GATED: `[M, 2K]`) and `W` `[N, K]` (last axes contiguous); `out` `[M, N]` at row stride
-    `stride_om` (PARTIAL: fp32 `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`."""
+    `stride_om` (PARTIAL: fp32 `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`.
+
+    `ROPE` (one split; heads of `2 * HALF` features, `HALF` a multiple of `BLOCK_N / 2`): program `i_n` computes the
+    channels `c .. c + BLOCK_N / 2` and their partners `HALF` further of one head, and rotates the output features
+    below `ROT` (rotate-half RoPE, `cos` / `sin` one row of `2 * HALF` values per row of `x` at stride `stride_cs`)
+    with `triton_ops.fused`'s `_rotate_kernel` roundings after rounding the projection to the output dtype."""
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)
     o_m = tl.arange(0, BLOCK_M)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:  # a block of channel pairs (c, c + HALF) of one head
+        pairs: tl.constexpr = BLOCK_N // 2
+        o_b = tl.arange(0, BLOCK_N)
+        chunks: tl.constexpr = HALF // pairs
+        o_d = (i_n % chunks) * pairs + o_b % pairs + (o_b // pairs) * HALF  # channel within the head
+        o_n = (i_n // chunks) * (2 * HALF) + o_d
+    else:
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     m_m = o_m < M
     m_n = o_n < N
@@ -100,7 +116,19 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
     else:
         if HAS_BIAS:
             b_y += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + o_y, b_y.to(out_ptr.dtype.element_ty), mask=m_y)
+        b_o = b_y.to(out_ptr.dtype.element_ty)
+        if ROPE:  # x * cos + rotate_half(x) * sin on the rounded output, each product and the sum rounded
+            pairs2: tl.constexpr = BLOCK_N // 2
+            b_c, b_p = tl.split(tl.permute(tl.reshape(b_o, [BLOCK_M, 2, pairs2]), [0, 2, 1]))  # channel, partner
+            b_r = tl.reshape(tl.permute(tl.join(-b_p, b_c), [0, 2, 1]), [BLOCK_M, BLOCK_N])  # rotate_half(x)
+            m_r = (o_n < ROT)[None, :]
+            p_cs = o_m[:, None] * stride_cs + o_d[None, :]
+            b_cos = tl.load(cos_ptr + p_cs, mask=m_m[:, None] & m_r, other=0.0).to(tl.float32)
+            b_sin = tl.load(sin_ptr + p_cs, mask=m_m[:, None] & m_r, other=0.0).to(tl.float32)
+            b_a = (b_o.to(tl.float32) * b_cos).to(b_o.dtype)
+            b_b = (b_r.to(tl.float32) * b_sin).to(b_o.dtype)
+            b_o = tl.where(m_r, (b_a.to(tl.float32) + b_b.to(tl.float32)).to(b_o.dtype), b_o)
+        tl.store(out_ptr + o_y, b_o, mask=m_y)
 
 
 @triton.jit(do_not_specialize=["MN"])

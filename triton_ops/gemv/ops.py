@@ -25,6 +25,7 @@ __all__ = [
     "gemv",
     "gemv_config",
     "linear",
+    "linear_rope",
     "routes",
     "silu_linear",
 ]
@@ -36,6 +37,7 @@ GEMV_TUNING: dict[str, Any] = {
     "programs_per_sm": 1,
     "min_split_k": 512,
     "fuse_silu": True,
+    "fuse_rope": True,
 }
 """The models' switch and the defaults: `enabled` sends the decode projections of the native models (`linear`,
 `hf_loopcache.models._common`) to the kernel on CUDA (on: `GEMV_CONFIGS` holds the H200's measured wins); with `listed_only`
@@ -43,11 +45,15 @@ only the shapes and row classes that `GEMV_CONFIGS` lists with settings take it 
 shape does (`default_config` where none is listed); `max_rows` is the most rows (all leading dims flattened) that
 take it; `programs_per_sm` is the programs the default split aims at per SM; `min_split_k` the fewest K values one
 split reads; `fuse_silu` lets `silu_linear` read a gated MLP's activation in the down projection's kernel (one launch
-less per layer call) where that projection takes the kernel."""
+less per layer call) where that projection takes the kernel; `fuse_rope` lets `linear_rope` rotate the queries and
+keys of a stacked q/k/v projection in its kernel (one launch less per layer call)."""
 
 GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
     # H200 (torch 2.11, Triton 3.6, bf16; `python -m benchmarks.run gemv`, benchmarks/results/gemv_h200.json): the
-    # sweep's fastest settings where they beat cuBLAS, None where cuBLAS won
+    # sweep's fastest settings where they beat cuBLAS, None where cuBLAS won; Ouro-1.4B's q/k/v (6144, 2048) and down
+    # (2048, 5632) projections at one row from the in-step sweep instead (session 22,
+    # `benchmarks/results/step_projections_h200_s22.json`: -0.77 and -0.37 us per layer against the isolated sweep's
+    # settings, the projections replayed back to back as in a step)
     (2048, 2048): {
         1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
         2: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
@@ -56,7 +62,7 @@ GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
         16: None,
     },
     (2048, 5632): {
-        1: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        1: {"block_n": 8, "block_k": 2048, "split": 1, "dot": False, "num_warps": 8, "num_stages": 2},
         2: {"block_n": 4, "block_k": 1024, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
         4: None,
         8: None,
@@ -84,7 +90,7 @@ GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
         16: {"block_n": 64, "block_k": 128, "split": 2, "dot": True, "num_warps": 4, "num_stages": 4},
     },
     (6144, 2048): {
-        1: {"block_n": 2, "block_k": 2048, "split": 1, "dot": False, "num_warps": 4, "num_stages": 2},
+        1: {"block_n": 4, "block_k": 512, "split": 1, "dot": False, "num_warps": 2, "num_stages": 2},
         2: None,
         4: None,
         8: None,
@@ -165,9 +171,10 @@ def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
 
 
 def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, Any], sms: int,
-              gated: bool = False) -> Tensor:
+              gated: bool = False, rope: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
     """Launch on `x2` `[M, K]` (`gated`: `[M, 2K]`, gate then up; last axis contiguous); returns `[M, N]` in `x2`'s
-    dtype."""
+    dtype. `rope`: `(cos, sin, rotated)`, `cos` / `sin` `[M, D]` (last axis contiguous, one row stride), the first
+    `rotated` output features rotated in the kernel (one K split; blocks `_rope_blocks` accepts)."""
     from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
 
     m = x2.shape[0]
@@ -184,6 +191,10 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
     split, k_split = _split({**cfg, "block_n": block_n, "block_k": block_k}, n, k, sms)
     grid = (_cdiv(n, block_n), split)
     partial = split > 1
+    if rope is not None and (partial or not _rope_blocks(block_n, rope[0].shape[-1], n, rope[2])):
+        raise ValueError(f"RoPE in the kernel needs one K split and channel pairs of one head per block; got split "
+                         f"{split}, block_n {block_n}, head dim {rope[0].shape[-1]}, N {n}, rotated {rope[2]}")
+    cos, sin, rotated = rope if rope is not None else (out, out, 0)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if partial else out
     bias_arg = bias if bias is not None else out
     pdl = pdl_options(x2)
@@ -192,10 +203,11 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     with launch_device(x2):
         _gemv_fwd_kernel[grid](
-            x2, weight, bias_arg, ws, m, n, k, k_split, x2.stride(0), weight.stride(0), n, m * n,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, IEEE=x2.dtype == torch.float32,
-            PARTIAL=partial, HAS_BIAS=bias is not None and not partial, PRELOAD=preload, GATED=gated, **pdl,
-            **launch)  # fmt: skip
+            x2, weight, bias_arg, ws, m, n, k, k_split, x2.stride(0), weight.stride(0), n, m * n, cos, sin,
+            cos.stride(0), rotated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot,
+            IEEE=x2.dtype == torch.float32, PARTIAL=partial, HAS_BIAS=bias is not None and not partial,
+            PRELOAD=preload, GATED=gated, ROPE=rope is not None, HALF=max(1, cos.shape[-1] // 2) if rope else 1,
+            **pdl, **launch)  # fmt: skip
         if partial:
             block = 1024
             _gemv_reduce_kernel[(_cdiv(m * n, block),)](ws, bias_arg, out, m * n, n, split, m * n,
@@ -305,3 +317,47 @@ def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     from triton_ops import fused
 
     return linear(fused.silu_mul(gate, up), weight, bias)
+
+
+def _rope_blocks(block_n: int, d: int, n: int, rotated: int) -> bool:
+    """Whether blocks of `block_n` output features can each hold channel pairs `(c, c + d/2)` of one head of `d`
+    channels (`n` and `rotated` whole heads)."""
+    return (block_n >= 2 and block_n % 2 == 0 and d >= 2 and d % 2 == 0 and (d // 2) % (block_n // 2) == 0
+            and n % d == 0 and rotated % d == 0 and 0 <= rotated <= n)
+
+
+def linear_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rotated: int) -> Tensor | None:
+    """`linear(x, weight)` with rotate-half RoPE applied to its first `rotated` output features (heads of `D =
+    cos.shape[-1]` channels: a stacked q/k/v projection's queries and keys) in the GEMV kernel, or None where that
+    kernel is not what `linear` launches here (the caller then rotates with `triton_ops.fused.rotate_half`).
+
+    The kernel rotates the projection rounded to the output dtype with `rotate_half`'s roundings, so the result is
+    bit for bit `linear` then `rotate_half` on the same settings. It is taken when `GEMV_TUNING["fuse_rope"]`,
+    `routes` sends the call to the kernel, its settings run one K split and blocks of channel pairs of one head
+    (`block_n` even, `D / 2` a multiple of `block_n / 2`), and `cos` / `sin` are `[..., D]` in `x`'s dtype with
+    `x`'s leading shape.
+
+    Args:
+        x (`torch.Tensor` of shape `[..., K]`): the normed input.
+        weight (`torch.Tensor` of shape `[N, K]`): the stacked projection (`N` whole heads).
+        cos, sin (`torch.Tensor` of shape `[..., D]`): RoPE tables per row of `x`.
+        rotated (`int`): how many leading output features are rotated (a multiple of `D`).
+    """
+    n, k = weight.shape
+    d = cos.shape[-1]
+    if not GEMV_TUNING["fuse_rope"] or cos.shape != sin.shape or cos.shape[:-1] != x.shape[:-1]:
+        return None
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or x.stride(-1) != 1 or not routes(x, weight):
+        return None
+    x2 = x.reshape(-1, k)
+    sms = _sms(x)
+    cfg = gemv_config(x2.shape[0], n, k, sms)
+    block_n = max(16, cfg["block_n"]) if cfg["dot"] else cfg["block_n"]
+    block_k = max(16, cfg["block_k"]) if cfg["dot"] else cfg["block_k"]
+    if _split({**cfg, "block_n": block_n, "block_k": block_k}, n, k, sms)[0] != 1 or not _rope_blocks(
+        block_n, d, n, rotated
+    ):
+        return None
+    cos2, sin2 = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return _gemv_fwd(x2, w, None, cfg, sms, rope=(cos2, sin2, rotated)).view(*x.shape[:-1], n)

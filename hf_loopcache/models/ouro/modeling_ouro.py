@@ -46,6 +46,7 @@ from hf_loopcache.models._common import (
     silu_linear,
     stacked_linear,
     stacked_projection,
+    stacked_rope_projection,
 )
 from hf_loopcache.models.ouro.configuration_ouro import OuroConfig
 from triton_ops import fused
@@ -113,11 +114,18 @@ class OuroAttention(nn.Module):
         (`cos` / `sin` `[B, q, D]`) applied to queries and keys."""
         b, q_len, _ = x.shape
         d, hq, hk = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = stacked_projection(self, ("q_proj", "k_proj", "v_proj"), x)
-        if qkv is not None:  # a short input: one GEMM, and queries and keys rotated by one launch
-            cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
-            qk = fused.rotate_half(qkv[..., : (hq + hk) * d].view(b, q_len, hq + hk, d), cos, sin)
-            query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
+        found = stacked_rope_projection(
+            self, ("q_proj", "k_proj", "v_proj"), x, cos.to(x.dtype), sin.to(x.dtype), (hq + hk) * d
+        )
+        if found is not None:  # a short input: one GEMM, queries and keys rotated in it or by one launch after it
+            qkv, rotated = found
+            if rotated:
+                query = qkv[..., : hq * d].view(b, q_len, hq, d).transpose(1, 2)
+                key = qkv[..., hq * d : (hq + hk) * d].view(b, q_len, hk, d).transpose(1, 2)
+            else:
+                cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+                qk = fused.rotate_half(qkv[..., : (hq + hk) * d].view(b, q_len, hq + hk, d), cos, sin)
+                query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
             value = qkv[..., (hq + hk) * d :].view(b, q_len, hk, d).transpose(1, 2)
             return query, key, value
         query = self.q_proj(x).view(b, q_len, -1, d)
