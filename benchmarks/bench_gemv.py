@@ -148,13 +148,13 @@ def main(argv: list[str] | None = None) -> None:
             found = [cublas]
             if kernels:
                 cfg_now = ops.gemv_config(m, n, k, sms)
-                split, _ = ops._split(_launch_blocks(cfg_now), n, k, sms)
+                split, _ = ops._split(ops._launch_blocks(cfg_now), n, k, sms)
                 table = measure(lambda x=x, w=w, c=cfg_now: ops._gemv_fwd(x, w, None, c, sms), "table",
                                 {**cfg_now, "split": split})  # fmt: skip
                 found.append(table)
                 sweep = []
                 for cfg in candidates(m) if args.sweep else []:
-                    split, _ = ops._split(_launch_blocks(cfg), n, k, sms)
+                    split, _ = ops._split(ops._launch_blocks(cfg), n, k, sms)
                     try:
                         r = measure(lambda x=x, w=w, c=cfg: ops._gemv_fwd(x, w, None, c, sms), "sweep",
                                     {**cfg, "split": split})  # fmt: skip
@@ -191,13 +191,6 @@ def main(argv: list[str] | None = None) -> None:
     configs.write_text(f"{head}\n{literal}\n")
     print(literal)
     print("wrote", configs)
-
-
-def _launch_blocks(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The block sizes `_gemv_fwd` launches with (tensor-core tiles are at least 16 wide)."""
-    if not cfg["dot"]:
-        return cfg
-    return {**cfg, "block_n": max(16, cfg["block_n"]), "block_k": max(16, cfg["block_k"])}
 
 
 def _summary(rows: list[dict[str, Any]]) -> None:

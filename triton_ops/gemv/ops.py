@@ -164,6 +164,13 @@ def _split(cfg: dict[str, Any], n: int, k: int, sms: int) -> tuple[int, int]:
     return _cdiv(k, k_split), k_split
 
 
+def _launch_blocks(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with the block sizes a launch uses: tensor-core tiles are at least 16 wide."""
+    if not cfg["dot"]:
+        return cfg
+    return {**cfg, "block_n": max(16, cfg["block_n"]), "block_k": max(16, cfg["block_k"])}
+
+
 def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
     """The settings a call of `M` rows on an `[N, K]` weight runs with (`GEMV_CONFIGS`, else `default_config`)."""
     found = GEMV_CONFIGS.get((n, k), {}).get(next_pow2(m))
@@ -186,9 +193,9 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     dot = bool(cfg["dot"])
     block_m = max(16, next_pow2(m)) if dot else next_pow2(m)
-    block_n = max(16, cfg["block_n"]) if dot else cfg["block_n"]
-    block_k = max(16, cfg["block_k"]) if dot else cfg["block_k"]
-    split, k_split = _split({**cfg, "block_n": block_n, "block_k": block_k}, n, k, sms)
+    blocks = _launch_blocks(cfg)
+    block_n, block_k = blocks["block_n"], blocks["block_k"]
+    split, k_split = _split(blocks, n, k, sms)
     grid = (_cdiv(n, block_n), split)
     partial = split > 1
     if rope is not None and (partial or not _rope_blocks(block_n, rope[0].shape[-1], n, rope[2])):
@@ -352,11 +359,8 @@ def linear_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rotated: in
     x2 = x.reshape(-1, k)
     sms = _sms(x)
     cfg = gemv_config(x2.shape[0], n, k, sms)
-    block_n = max(16, cfg["block_n"]) if cfg["dot"] else cfg["block_n"]
-    block_k = max(16, cfg["block_k"]) if cfg["dot"] else cfg["block_k"]
-    if _split({**cfg, "block_n": block_n, "block_k": block_k}, n, k, sms)[0] != 1 or not _rope_blocks(
-        block_n, d, n, rotated
-    ):
+    blocks = _launch_blocks(cfg)
+    if _split(blocks, n, k, sms)[0] != 1 or not _rope_blocks(blocks["block_n"], d, n, rotated):
         return None
     cos2, sin2 = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
