@@ -33,7 +33,10 @@ first). `--fuse-silu on off` does the same for Ouro's down projection reading `s
 (`triton_ops.gemv.GEMV_TUNING["fuse_silu"]`; row `fuse_silu`, `tokens_equal_fuse_off`). `--gemv on off` the same for
 the decode projections on the Triton GEMV (`GEMV_TUNING["enabled"]`: the shapes `GEMV_CONFIGS` lists) or all on cuBLAS
 (row `gemv`), and `--fuse-rope on off` for Ouro's q/k/v projection rotating queries and keys in its GEMV kernel
-(`GEMV_TUNING["fuse_rope"]`; row `fuse_rope`, `tokens_equal_fuse_rope_off`).
+(`GEMV_TUNING["fuse_rope"]`; row `fuse_rope`, `tokens_equal_fuse_rope_off`). `--defer-stop on off` measures
+`generate` reading its stop flag one step late (`generate(defer_stop=...)`, on by default: the host queues the next
+step while the GPU runs this one) and waiting for the GPU at every step (row `defer_stop`,
+`tokens_equal_defer_stop_off`).
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ def run_one(
     warmup_prompt: int | None = None,
     compile_config: dict[str, Any] | None = None,
     quantized_backends: tuple[str, ...] = QUANTIZED_BACKENDS,
+    defer_stop: bool = True,
 ) -> dict[str, Any]:
     """One row. `timing="pair"`: decode = a full run minus a prefill-only run; `"steps"`: one run, decode timed from
     the first generated token to the last by a logits processor that records a CUDA event per token (`StepClock`: no
@@ -209,6 +213,7 @@ def run_one(
         "fuse_silu": bool(GEMV_TUNING["fuse_silu"]) if not peer else None,
         "fuse_rope": bool(GEMV_TUNING["fuse_rope"]) if not peer else None,
         "gemv": bool(GEMV_TUNING["enabled"]) if not peer else None,
+        "defer_stop": defer_stop if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -252,7 +257,7 @@ def run_one(
             return out.sequences, getattr(out, OUTPUT_CACHE_FIELD, None)
         cache = CACHES[cache_name](model) if static_cache is None else static_cache
         cache.reset()
-        out = model.generate(prompt, cache=cache, **kw)
+        out = model.generate(prompt, cache=cache, defer_stop=defer_stop, **kw)
         return out, cache
 
     try:
@@ -310,6 +315,12 @@ def run_one(
         if reference is not None and not peer:
             key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_rope"]),
                    bool(GEMV_TUNING["fuse_silu"]), pdl)
+            if not defer_stop:
+                reference[(*key, mode, "defer_stop_off")] = out.cpu()
+            elif (*key, mode, "defer_stop_off") in reference:
+                seen = reference[(*key, mode, "defer_stop_off")]
+                row["tokens_equal_defer_stop_off"] = bool(torch.equal(seen, out.cpu()))
+                row["first_mismatch_defer_stop_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
             reference[(*key, mode)] = out.cpu()
             for other in ("eager", "static"):
                 if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
@@ -462,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")
     parser.add_argument("--fuse-rope", nargs="+", default=["on"], choices=("on", "off"),
                         help="Ouro's q/k/v projection rotates queries and keys in its GEMV kernel where it takes it (on)")
+    parser.add_argument("--defer-stop", nargs="+", default=["on"], choices=("on", "off"),
+                        help="generate reads its stop flag one step late (on) or waits for the GPU every step (off)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -515,8 +528,8 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope in itertools.product(
-                    modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope
+                for mode, on, fuse, pdl, gemv, fuse_rope, defer in itertools.product(
+                    modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.defer_stop
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
@@ -532,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
                             row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
                                           count_kernels=args.count_kernels, mode=mode, reference=reference,
                                           fused_ops=on == "on", timing=args.timing,
-                                          warmup_prompt=args.warmup_prompt)
+                                          warmup_prompt=args.warmup_prompt, defer_stop=defer == "on")
                     finally:
                         PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"], GEMV_TUNING["fuse_rope"] = before
                     add(row, time.perf_counter() - start)

@@ -10,23 +10,31 @@
 `prepare_inputs_for_generation` of a decode step is built directly (`decode_step_inputs`), checked against
 transformers' own at the first step of each model class.
 
+`generate`'s greedy and sampling loop (`_sample`) decides whether to read its stop flag one step late
+(`DeferredStopCheck.is_supported`, the same in 5.17-5.24); transformers enables it on `mps` only. Inside
+`deferred_stop_check(True)` it is enabled on CUDA for a cache that can take the extra step back exactly
+(`LoopCache.exact_crop`).
+
 Everything else the package touches (`Cache(layers=...)`, `CacheLayerMixin`, `get_mask_sizes(query_length, layer_idx)`,
 `crop(tokens_to_remove <= 0)`, `transformers.initialization`) is the same in the whole supported range.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.generation import GenerationMixin
+from transformers.generation import utils as _generation_utils
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 __all__ = [
     "CACHE_KWARG",
@@ -34,6 +42,7 @@ __all__ = [
     "cache_argument",
     "causal_lm_output",
     "decode_step_inputs",
+    "deferred_stop_check",
     "generate_cache",
     "generate_cache_kwargs",
 ]
@@ -200,3 +209,39 @@ def dispatch_mode_active() -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode() is not None
+
+
+#: whether the `generate` call running in this context may defer its stop check (`deferred_stop_check`)
+_DEFER_STOP: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_loopcache_defer_stop", default=False)
+#: device types where it does (transformers' check records `torch.Event`s, which the CPU has not got)
+_DEFER_DEVICES = frozenset({"cuda"})
+
+
+def _defers_on_cuda(original: Callable[..., bool]) -> Callable[..., bool]:
+    def is_supported(device: torch.device, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
+        exact_crop = getattr(cache, "exact_crop", None)
+        if _DEFER_STOP.get() and device.type in _DEFER_DEVICES and not is_assistant and exact_crop is not None:
+            return not cache_is_returned or bool(exact_crop(1))
+        return original(device, cache, cache_is_returned, is_assistant)
+
+    is_supported.__wrapped__ = original  # type: ignore[attr-defined]
+    return is_supported
+
+
+_DEFERRED = getattr(_generation_utils, "DeferredStopCheck", None)
+if _DEFERRED is not None and not hasattr(_DEFERRED.is_supported, "__wrapped__"):
+    _DEFERRED.is_supported = staticmethod(_defers_on_cuda(_DEFERRED.is_supported))
+
+
+@contextlib.contextmanager
+def deferred_stop_check(enabled: bool) -> Iterator[None]:
+    """Within the block, `generate` on CUDA with a looped-model cache reads its stop flag one step late (transformers'
+    `DeferredStopCheck`): the host queues the next step before the GPU has finished this one, instead of waiting for
+    it at every step. When a stop criterion other than the length fires, one extra step has run; transformers drops
+    its token and crops the cache by one position, so this is used where that crop is exact (`LoopCache.exact_crop`)
+    or the cache is not handed back. Caches that are not `LoopCache`s keep transformers' choice (`mps` only)."""
+    token = _DEFER_STOP.set(bool(enabled) and _DEFERRED is not None)
+    try:
+        yield
+    finally:
+        _DEFER_STOP.reset(token)

@@ -63,3 +63,23 @@ def test_pdl_rows_compare_with_pdl_off(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [r["pdl"] for r in rows] == [False, True] and rows[1]["tokens_equal_pdl_off"] is True
     assert rows[1]["first_mismatch_pdl_off"] is None and PDL["enabled"] is before
+
+
+def test_defer_stop_rows_compare_with_it_off(tmp_path, monkeypatch):
+    """`--defer-stop off on`: a row per setting, each `generate` called with it, and the second row compares its
+    tokens with the first's."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    seen = []
+    original = bench_generate.run_one
+
+    def run_one(*args, **kwargs):
+        seen.append(kwargs["defer_stop"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(bench_generate, "run_one", run_one)
+    bench_generate.main(["--shapes", "micro-ouro", "--caches", "full", "--modes", "static", "--defer-stop", "off",
+                         "on", "--batches", "1", "--context", "24", "--new-tokens", "3", "--device", "cpu", "--dtype",
+                         "float32", "--out", "gen"])
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert seen == [False, True] and [r["defer_stop"] for r in rows] == [False, True]
+    assert rows[1]["tokens_equal_defer_stop_off"] is True and "tokens_equal_defer_stop_off" not in rows[0]

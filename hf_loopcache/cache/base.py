@@ -522,9 +522,17 @@ class LoopCache(Cache):
         value is the absolute length to keep (the older convention). Every cell is cut to that length. A 0-d tensor
         (transformers 5.17's assisted decoding passes one) is read as its int."""
         tokens_to_remove = int(tokens_to_remove)
+        if tokens_to_remove == 0:  # transformers' deferred stop check crops by 0 after every step it keeps
+            return
         length = self.get_seq_length()
         target = length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         self.rollback(max(0, min(length, target)))
+
+    def exact_crop(self, positions: int) -> bool:
+        """Whether `crop(-positions)` right after a forward gives back exactly the state before the last `positions`
+        positions: always for cells without a window, within `max_rollback` for windowed and coded cells (a cut past
+        it restores a page from its codes). transformers' deferred stop check asks this (`_compat.deferred_stop_check`)."""
+        return all(getattr(layer, "rollback", positions) >= positions for layer in self.cells)
 
     def rollback(self, length: int) -> None:
         """Cut every cell to at most `length` positions (a cell holding fewer, e.g. a deep cell after a partial-depth

@@ -19,6 +19,7 @@ from hf_loopcache._compat import (
     CACHE_KWARG,
     OUTPUT_CACHE_FIELD,
     decode_step_inputs,
+    deferred_stop_check,
     generate_cache,
     generate_cache_kwargs,
 )
@@ -759,19 +760,23 @@ class _NonFiniteLogits(LogitsProcessor):
         self.step += 1
         return scores
 
-    def first_bad(self) -> int:
-        """The first step whose scores held NaN or +inf, or -1 (one host read)."""
-        if not self.step:
+    def first_bad(self, steps: int | None = None) -> int:
+        """The first of the first `steps` steps (default: all) whose scores held NaN or +inf, or -1 (one host read)."""
+        steps = self.step if steps is None else min(max(steps, 0), self.step)
+        if not steps:
             return -1
-        sums = torch.cat(self.blocks)[: self.step]
+        sums = torch.cat(self.blocks)[:steps]
         bad = (torch.isnan(sums) | (sums == float("inf"))).nonzero()
         return int(bad[0, 0]) if bad.numel() else -1
 
-    def check(self) -> None:
-        step = self.first_bad()
+    def check(self, steps: int | None = None) -> None:
+        """Raise if one of the first `steps` steps (those whose tokens `generate` returned; default: all) held NaN or
+        +inf. A deferred stop check runs one step more than it keeps; that step's scores are not judged."""
+        steps = self.step if steps is None else min(max(steps, 0), self.step)
+        step = self.first_bad(steps)
         if step >= 0:
             raise FloatingPointError(
-                f"the model produced non-finite logits (NaN or +inf) at generation step {step} of {self.step} "
+                f"the model produced non-finite logits (NaN or +inf) at generation step {step} of {steps} "
                 f"(step 0 is the prompt): the output after that step is meaningless. Check the weights and inputs for "
                 f"NaN/inf, or run in float32/bfloat16 if float16 overflowed."
             )
@@ -798,6 +803,13 @@ class LoopGenerationMixin(GenerationMixin):
     `generate` also takes the cache as `cache=` or `past_key_values=` on every supported transformers, refuses an
     empty prompt and a reused cache that does not hold a prefix of the input, and raises `FloatingPointError` if a
     step produced NaN logits (checked once per call, after generate's last stop check).
+
+    On CUDA, greedy decoding and sampling with a looped-model cache read generate's stop flag one step late
+    (`defer_stop=True`, the default; transformers' `DeferredStopCheck`, which transformers itself enables on `mps`
+    only): the host queues the next step while the GPU runs this one, instead of waiting for the GPU at every step.
+    The tokens are the same; after an end-of-sequence stop one extra step has run, and its token and cache position
+    are taken back (used only where that crop is exact: `LoopCache.exact_crop`). `defer_stop=False` waits at every
+    step, as transformers does on CUDA; a streamer then gets each token one step later than with it off.
     """
 
     loop_kwarg: str = "num_loops"
@@ -862,13 +874,18 @@ class LoopGenerationMixin(GenerationMixin):
         cache = generate_cache(kwargs)
         if isinstance(input_ids, torch.Tensor) and input_ids.dtype == torch.long:
             check_reused_cache(cache, input_ids, kwargs.get("attention_mask"))
+        defer_stop = kwargs.pop("defer_stop", True)
+        if not isinstance(defer_stop, bool):
+            raise ValueError(f"`defer_stop` must be True or False, got {defer_stop!r}")
         monitor = _NonFiniteLogits()
         if not args:  # `logits_processor` is generate's third positional parameter; leave positional calls alone
             kwargs["logits_processor"] = LogitsProcessorList([monitor, *(kwargs.get("logits_processor") or [])])
-        out = super().generate(inputs, *args, **kwargs)
-        monitor.check()
+        with deferred_stop_check(defer_stop):
+            out = super().generate(inputs, *args, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        prompt = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 0
+        monitor.check(sequences.shape[1] - prompt if isinstance(sequences, torch.Tensor) else None)
         if cache is not None:
-            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
             past = cache.get_seq_length()
             if isinstance(sequences, torch.Tensor) and sequences.shape[1] >= past:
                 _CACHE_TOKENS[cache] = sequences[:, :past].detach()
