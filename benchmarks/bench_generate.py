@@ -36,7 +36,9 @@ the decode projections on the Triton GEMV (`GEMV_TUNING["enabled"]`: the shapes 
 (`GEMV_TUNING["fuse_rope"]`; row `fuse_rope`, `tokens_equal_fuse_rope_off`). `--defer-stop on off` measures
 `generate` reading its stop flag one step late (`generate(defer_stop=...)`, on by default: the host queues the next
 step while the GPU runs this one) and waiting for the GPU at every step (row `defer_stop`,
-`tokens_equal_defer_stop_off`).
+`tokens_equal_defer_stop_off`; pass `off on`). `--fuse-kv on off` the same for Ouro's q/k/v kernel storing a
+static dense cell's keys and values itself (`GEMV_TUNING["fuse_kv"]`; row `fuse_kv`, `tokens_equal_fuse_kv_off`; pass
+`off on`).
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def run_one(
         "fuse_rope": bool(GEMV_TUNING["fuse_rope"]) if not peer else None,
         "gemv": bool(GEMV_TUNING["enabled"]) if not peer else None,
         "defer_stop": defer_stop if not peer else None,
+        "fuse_kv": bool(GEMV_TUNING["fuse_kv"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -315,12 +318,13 @@ def run_one(
         if reference is not None and not peer:
             key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_rope"]),
                    bool(GEMV_TUNING["fuse_silu"]), pdl)
-            if not defer_stop:
-                reference[(*key, mode, "defer_stop_off")] = out.cpu()
-            elif (*key, mode, "defer_stop_off") in reference:
-                seen = reference[(*key, mode, "defer_stop_off")]
-                row["tokens_equal_defer_stop_off"] = bool(torch.equal(seen, out.cpu()))
-                row["first_mismatch_defer_stop_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
+            for name, on in (("defer_stop", defer_stop), ("fuse_kv", bool(GEMV_TUNING["fuse_kv"]))):
+                if not on:
+                    reference[(*key, mode, f"{name}_off")] = out.cpu()
+                elif (*key, mode, f"{name}_off") in reference:
+                    seen = reference[(*key, mode, f"{name}_off")]
+                    row[f"tokens_equal_{name}_off"] = bool(torch.equal(seen, out.cpu()))
+                    row[f"first_mismatch_{name}_off"] = _first_mismatch(seen, out.cpu(), prompt_len)
             reference[(*key, mode)] = out.cpu()
             for other in ("eager", "static"):
                 if other != mode and (*key, other) in reference and not (mode == "static" and other != "eager"):
@@ -473,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Ouro's down projection reads silu(gate) * up in its GEMV kernel where it takes it (on)")
     parser.add_argument("--fuse-rope", nargs="+", default=["on"], choices=("on", "off"),
                         help="Ouro's q/k/v projection rotates queries and keys in its GEMV kernel where it takes it (on)")
+    parser.add_argument("--fuse-kv", nargs="+", default=["on"], choices=("on", "off"),
+                        help="Ouro's q/k/v kernel stores a static dense cell's keys and values itself (on) or not")
     parser.add_argument("--defer-stop", nargs="+", default=["on"], choices=("on", "off"),
                         help="generate reads its stop flag one step late (on) or waits for the GPU every step (off)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
@@ -528,18 +534,19 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope, defer in itertools.product(
-                    modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.defer_stop
+                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer in itertools.product(
+                    modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
+                    args.defer_stop
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    before = PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"], GEMV_TUNING["fuse_rope"]
+                    before = PDL["enabled"], dict(GEMV_TUNING)
                     PDL["enabled"] = pdl == "on"
                     GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = fuse == "on", gemv == "on"
-                    GEMV_TUNING["fuse_rope"] = fuse_rope == "on"
+                    GEMV_TUNING["fuse_rope"], GEMV_TUNING["fuse_kv"] = fuse_rope == "on", fuse_kv == "on"
                     try:
                         with contextlib.nullcontext() if on == "on" else fused.disabled():
                             row = run_one(model, shape, cache_name, batch, context, args.new_tokens, device,
@@ -547,7 +554,8 @@ def main(argv: list[str] | None = None) -> None:
                                           fused_ops=on == "on", timing=args.timing,
                                           warmup_prompt=args.warmup_prompt, defer_stop=defer == "on")
                     finally:
-                        PDL["enabled"], GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"], GEMV_TUNING["fuse_rope"] = before
+                        PDL["enabled"] = before[0]
+                        GEMV_TUNING.update(before[1])
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -89,8 +89,18 @@ class LoopAttentionCache(Protocol):
 
     def begin_forward(self, layout: LoopLayout, num_loops: int, query_length: int) -> None: ...
 
+    def write_target(
+        self, slot: int, batch: int, query_length: int, inputs: AttentionInputs, device: torch.device
+    ) -> tuple[torch.Tensor, ...] | None: ...
+
     def attend(
-        self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
+        self,
+        slot: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        inputs: AttentionInputs,
+        written: bool = False,
     ) -> torch.Tensor: ...
 
 

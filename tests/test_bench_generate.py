@@ -83,3 +83,18 @@ def test_defer_stop_rows_compare_with_it_off(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert seen == [False, True] and [r["defer_stop"] for r in rows] == [False, True]
     assert rows[1]["tokens_equal_defer_stop_off"] is True and "tokens_equal_defer_stop_off" not in rows[0]
+
+
+def test_fuse_kv_rows_compare_with_it_off(tmp_path, monkeypatch):
+    """`--fuse-kv off on`: a row per setting of `GEMV_TUNING["fuse_kv"]` (restored after each), the second row
+    comparing its tokens with the first's."""
+    from triton_ops.gemv import GEMV_TUNING
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    before = GEMV_TUNING["fuse_kv"]
+    bench_generate.main(["--shapes", "micro-ouro", "--caches", "full", "--modes", "static", "--fuse-kv", "off", "on",
+                         "--batches", "1", "--context", "24", "--new-tokens", "3", "--device", "cpu", "--dtype",
+                         "float32", "--out", "gen"])
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert [r["fuse_kv"] for r in rows] == [False, True] and GEMV_TUNING["fuse_kv"] is before
+    assert rows[1]["tokens_equal_fuse_kv_off"] is True and "tokens_equal_fuse_kv_off" not in rows[0]

@@ -287,16 +287,37 @@ class LoopCache(Cache):
         writes it (with a `device_map`, every loop of a layer sits on that layer's device)."""
         return [layer.device if layer.is_initialized else None for layer in self.cells]
 
+    def write_target(
+        self, slot: int, batch: int, query_length: int, inputs: AttentionInputs, device: torch.device
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Where the new keys and values of cell `slot` go in this forward, `(k, v, positions)`, for a projection
+        kernel that stores them itself: a static dense cell in a one-token step after the prefill (storage on
+        `device`); None for every other cell and step. The forward then passes `written=True` to `attend`."""
+        layer = self.cells[self._flat(slot)]
+        if not isinstance(layer, StaticDenseLayer) or not layer.is_initialized or layer.device != device:
+            return None
+        return layer.write_target(batch, query_length, self.read_state(inputs, device))
+
     def attend(
-        self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: AttentionInputs
+        self,
+        slot: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        inputs: AttentionInputs,
+        written: bool = False,
     ) -> torch.Tensor:
         """Attention of the new tokens of cell `slot` over its stored history and themselves; stores the new keys and
         values. `query` `[B, H_q, q, D]`, `key`/`value` `[B, H_kv, q, D]` -> `[B, H_q, q, D]`. Into an empty growable
         cell (a prefill) `query` may hold only the last `p < q` new tokens' queries (the last query piece of a long
         prefill, `hf_loopcache.models._common.attention_half`): every new key and value is stored, `[B, H_q, p, D]`
-        is returned."""
+        is returned. `written`: a projection kernel already stored them where `write_target` said."""
         self._check_states(key)
         layer = self._cell_on(slot, key)
+        if written:
+            if not isinstance(layer, StaticDenseLayer):
+                raise ValueError(f"`written=True` is for a static dense cell (`write_target`), not a {type(layer).__name__}")
+            return layer.attend(query, key, value, self.read_state(inputs, key.device), written=True)
         if query.shape[2] != key.shape[2] and (self.static or layer.get_seq_length() != 0):
             raise ValueError(
                 f"`query` holds {query.shape[2]} tokens but `key` {key.shape[2]}: only a prefill into an empty growable "

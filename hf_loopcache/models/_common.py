@@ -147,8 +147,10 @@ def attention_half(
         state (`LoopForward`): the forward's state (`state.query_piece` decides whether pieces are taken).
         slot (`int`): the cell the layer call writes.
         x (`torch.Tensor` of shape `[B, T, hidden]`): the layer's input.
-        project: `project(x_piece, start, end) -> (q, k, v)`: the queries `[B, H_q, p, D]`, keys and values
-            `[B, H_kv, p, D]` of positions `[start, end)` of the new tokens (norm, projections and RoPE).
+        project: `project(x_piece, start, end, kv_out) -> (q, k, v, written)`: the queries `[B, H_q, p, D]`, keys
+            and values `[B, H_kv, p, D]` of positions `[start, end)` of the new tokens (norm, projections and RoPE),
+            and whether the projection also stored the keys and values where `kv_out` (the cell's
+            `LoopForward.write_target`, or None) said.
         finish: `finish(o, x_piece) -> [B, p, hidden]`: the output projection of the heads' outputs `o` `[B, p, H_q *
             D]`, and the norm and residual with the layer's input.
 
@@ -166,15 +168,15 @@ def attention_half(
     b, t = x.shape[:2]
     span = state.query_piece(slot, b, t)
     if span is None:
-        q, k, v = project(x, 0, t)
-        o = state.attend(slot, q, k, v)
+        q, k, v, written = project(x, 0, t, state.write_target(slot, b, t, x.device))
+        o = state.attend(slot, q, k, v, written=written)
         del q, k, v
         o = o.transpose(1, 2).reshape(b, t, -1)
         return finish(o, x)
     keys = values = out = None
     for a in range(0, t, span):
         e = min(a + span, t)
-        q, k, v = project(x[:, a:e], a, e)
+        q, k, v, _ = project(x[:, a:e], a, e, None)
         if keys is None or values is None:
             keys = k.new_empty(b, k.shape[1], t, k.shape[3])
             values = v.new_empty(b, v.shape[1], t, v.shape[3])
@@ -221,7 +223,8 @@ def sandwich_layer(
     MLP half by token chunks, each norm on its own.
 
     Args:
-        project: `project(normed, cos, sin) -> (q, k, v)` of the layer's attention (norm applied by the caller).
+        project: `project(normed, cos, sin, kv_out) -> (q, k, v, written)` of the layer's attention (norm applied by
+            the caller; `kv_out` and `written` as in `attention_half`).
         out_proj (`nn.Module`): the attention's output projection (run through `linear`).
         mlp: the MLP (normed input -> output).
         norms: `(norm_1, norm_2, norm_3, norm_4)` in the order the layer runs them.
@@ -232,9 +235,9 @@ def sandwich_layer(
     norm_1, norm_2, norm_3, norm_4 = norms
     key = {"before": "add_before", "after": "add_after"}[residual]
 
-    def project_piece(piece: torch.Tensor, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_piece(piece: torch.Tensor, a: int, e: int, kv_out: Any) -> tuple[torch.Tensor, ...]:
         normed = state.take_normed(piece)
-        return project(norm_1(piece) if normed is None else normed, *rope_span(rope, a, e))
+        return project(norm_1(piece) if normed is None else normed, *rope_span(rope, a, e), kv_out)
 
     b, t = x.shape[:2]
     if one_piece(b, t):
@@ -305,19 +308,27 @@ def stacked_projection(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor
 
 
 def stacked_rope_projection(
-    owner: nn.Module, names: tuple[str, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int
-) -> tuple[torch.Tensor, bool] | None:
+    owner: nn.Module,
+    names: tuple[str, ...],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated: int,
+    kv_out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, bool, bool] | None:
     """`stacked_projection` of a q/k/v projection whose first `rotated` output features (queries and keys, heads of
-    `cos.shape[-1]` channels) take rotate-half RoPE: `(y, True)` with them rotated in the GEMV kernel
-    (`triton_ops.gemv.linear_rope`, the same bits as `fused.rotate_half` after the projection), `(y, False)` with
-    them not rotated where that kernel is not launched (the caller rotates them), None where `stacked_projection`
-    gives None."""
+    `cos.shape[-1]` channels) take rotate-half RoPE: `(y, True, stored)` with them rotated in the GEMV kernel
+    (`triton_ops.gemv.linear_rope`, the same bits as `fused.rotate_half` after the projection), `stored` whether that
+    kernel also stored the keys and values at `kv_out` (with `GEMV_TUNING["fuse_kv"]`); `(y, False, False)` with them
+    not rotated where that kernel is not launched (the caller rotates them); None where `stacked_projection` gives
+    None."""
     found = _stacked_weight(owner, names, x)
     if found is None:
         return None
     with no_pdl() if found[1] else contextlib.nullcontext():
-        y = gemv.linear_rope(x, found[0], cos, sin, rotated)
-        return (y, True) if y is not None else (gemv.linear(x, found[0]), False)
+        kv_out = kv_out if gemv.GEMV_TUNING["fuse_kv"] else None
+        y = gemv.linear_rope(x, found[0], cos, sin, rotated, kv_out=kv_out)
+        return (y, True, kv_out is not None) if y is not None else (gemv.linear(x, found[0]), False, False)
 
 
 def stacked_linear(owner: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -507,16 +518,29 @@ class LoopForward:
             return None
         return span
 
-    def attend(self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def write_target(self, slot: int, batch: int, query_length: int, device: torch.device) -> Any:
+        """Where cell `slot` stores this forward's new keys and values when a projection kernel can store them itself
+        (`LoopCache.write_target`: a static dense cell in a one-token step), else None (no loop cache, attention
+        weights asked for, or another cell or step)."""
+        target = getattr(self.cache, "write_target", None) if getattr(self.cache, "is_loop_cache", False) else None
+        if target is None or self.attentions is not None:
+            return None
+        return target(slot, batch, query_length, self.inputs, device)
+
+    def attend(
+        self, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, written: bool = False
+    ) -> torch.Tensor:
         """Attention of the new tokens' queries over cell `slot`'s stored keys and the new keys and values (which the
-        cell stores). `query` `[B, H_q, p, D]`, `key` / `value` `[B, H_kv, q, D]`; `p < q` only in a prefill into an
-        empty cell (the last query piece of `attention_half`: the queries of the last `p` new tokens)."""
+        cell stores, unless the projection already stored them where `write_target` said: `written`). `query`
+        `[B, H_q, p, D]`, `key` / `value` `[B, H_kv, q, D]`; `p < q` only in a prefill into an empty cell (the last
+        query piece of `attention_half`: the queries of the last `p` new tokens)."""
         if self.cache is None:
             if self.attentions is not None:
                 return self._eager(query, key, value)
             return dense_attention(query, key, value, key_valid=self.inputs.key_valid, scaling=self.inputs.scaling)
         if getattr(self.cache, "is_loop_cache", False):
-            out = self.cache.attend(slot, query, key, value, self.inputs)
+            # (`written` only when set: a loop cache without `write_target` never sees it)
+            out = self.cache.attend(slot, query, key, value, self.inputs, **({"written": True} if written else {}))
             if self.attentions is not None:
                 return self._eager(query, *_full_precision_states(self.cache, slot))
             return out

@@ -174,9 +174,9 @@ def test_gemv_kernel_compiles_for_sm90(dot, partial, pdl):
 
     consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=16 if dot else 8, BLOCK_K=256 if dot else 512, USE_DOT=dot,
                   IEEE=False, PARTIAL=partial, HAS_BIAS=not partial, PRELOAD=pdl and not dot,
-                  GATED=pdl and not dot, USE_PDL=pdl, ROPE=False, HALF=1)  # fmt: skip
+                  GATED=pdl and not dot, USE_PDL=pdl, ROPE=False, HALF=1, KV=False)  # fmt: skip
     ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="fp32" if partial else "bf16", ws_ptr="fp32",
-               cos_ptr="bf16", sin_ptr="bf16")  # fmt: skip
+               cos_ptr="bf16", sin_ptr="bf16", k_ptr="bf16", v_ptr="bf16", pos_ptr="i64")  # fmt: skip
     aligned = {"x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
                "stride_om", "stride_os"}  # fmt: skip
     opts = {"launch_pdl": True} if pdl else {}
@@ -194,15 +194,18 @@ def test_gemv_kernel_compiles_for_sm90(dot, partial, pdl):
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles with Triton's compiler, not the interpreter")
+@pytest.mark.parametrize("kv", [False, True], ids=["rope", "rope-kv"])
 @pytest.mark.parametrize("block_n", [2, 4])
-def test_rope_epilogue_compiles_for_sm90(block_n):
+def test_rope_epilogue_compiles_for_sm90(block_n, kv):
     """RoPE in the projection's store (`linear_rope`) at Ouro-1.4B's q/k/v settings for one row (the table's 4 x 512,
-    2 warps, and 2 x 2048): the tables are loaded after the product, nothing spills."""
+    2 warps, and 2 x 2048), with and without the cache store (`kv_out`): the tables are loaded after the product,
+    nothing spills."""
     from triton_ops.gemv.kernels import _gemv_fwd_kernel
 
     consts = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 if block_n == 4 else 2048, USE_DOT=False, IEEE=False,
-                  PARTIAL=False, HAS_BIAS=False, PRELOAD=False, GATED=False, USE_PDL=False, ROPE=True, HALF=64)
-    ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="bf16", cos_ptr="bf16", sin_ptr="bf16")
+                  PARTIAL=False, HAS_BIAS=False, PRELOAD=False, GATED=False, USE_PDL=False, ROPE=True, HALF=64, KV=kv)
+    ptr = dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", out_ptr="bf16", cos_ptr="bf16", sin_ptr="bf16",
+               k_ptr="bf16", v_ptr="bf16", pos_ptr="i64")
     aligned = {"x_ptr", "w_ptr", "out_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om", "cos_ptr",
                "sin_ptr", "stride_cs"}  # fmt: skip
     kernel = compile_for_sm90(_gemv_fwd_kernel, consts, ptr, aligned=aligned, num_warps=2 if block_n == 4 else 4,
@@ -240,6 +243,60 @@ def test_linear_rope_is_the_projection_then_rotate_half(on_cpu, monkeypatch, con
     assert not torch.equal(y[..., :rotated], plain[..., :rotated])  # (the rotation did something)
 
 
+@kernels
+@pytest.mark.parametrize("config", ["fma-bn4", "dot-bn32", "fma-bn2"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_linear_rope_stores_keys_and_values_where_write_kv_would(on_cpu, monkeypatch, config, m):
+    """With `kv_out`, the RoPE epilogue also stores each row's rotated keys and its values into a static cell's
+    storage at the step's position (read on the device): the storage equals, bit for bit, `fused.write_kv` of the
+    result's keys and values into a copy, every other position untouched; the result itself is unchanged. A kernel
+    that wrote the queries, swapped keys and values, took another head's or row's features or ignored the position
+    would differ. Heads of 32 channels, 2 query and 2 key / value heads, storage of 4 rows and 6 positions."""
+    from triton_ops.fused import ops as fused_ops
+
+    if INTERPRET and not torch.cuda.is_available():
+        monkeypatch.setattr(fused_ops, "use_triton", lambda op, *tensors: True)
+    cfg = CONFIGS.get(config, {"block_n": 2, "block_k": 64, "dot": False, "num_warps": 4, "num_stages": 2, "split": 1})
+    monkeypatch.setattr(ops, "routes", lambda *a, **kw: True)
+    monkeypatch.setattr(ops, "gemv_config", lambda *a: {**ops.default_config(*a), **cfg})
+    d, hq, hk, k, dtype = 32, 2, 2, 80, torch.float16
+    n, rotated = (hq + 2 * hk) * d, (hq + hk) * d
+    x = _rand((m, 1, k), dtype, 0)
+    w = _rand((n, k), dtype, 1, k**-0.5)
+    angles = _rand((m, 1, d // 2), torch.float32, 2, 3.0)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    k_store, v_store = _rand((4, hk, 6, d), dtype, 3), _rand((4, hk, 6, d), dtype, 4)
+    k_want, v_want = k_store.clone(), v_store.clone()
+    positions = torch.tensor([4], device=DEVICE)
+    y = ops.linear_rope(x, w, cos, sin, rotated, kv_out=(k_store, v_store, positions))
+    assert y is not None and torch.equal(y, ops.linear_rope(x, w, cos, sin, rotated))
+    key = y[..., hq * d : rotated].reshape(m, 1, hk, d).transpose(1, 2)
+    value = y[..., rotated:].reshape(m, 1, hk, d).transpose(1, 2)
+    fused_ops.write_kv(k_want[:m], v_want[:m], key, value, positions)
+    assert torch.equal(k_store, k_want) and torch.equal(v_store, v_want)
+    assert not torch.equal(k_store[:m, :, 4], _rand((4, hk, 6, d), dtype, 3)[:m, :, 4])  # (it wrote something)
+
+
+def test_linear_rope_kv_out_is_checked():
+    """`kv_out` that the epilogue cannot store is an error naming it: more than one token, storage of another layout,
+    dtype or width, fewer rows, positions that are not integers."""
+    x, w = torch.randn(2, 1, 64, dtype=torch.float16), torch.randn(128, 64, dtype=torch.float16)
+    kv = torch.zeros(2, 2, 8, 16, dtype=torch.float16)
+    pos = torch.tensor([3])
+    bad = [
+        (torch.randn(1, 2, 64, dtype=torch.float16), (kv, kv, pos), "one-token step"),
+        (x, (kv, kv.transpose(2, 3), pos), "one \\[B, H_kv, T, D\\] layout"),
+        (x, (kv[:1], kv[:1], pos), "must hold 2 rows"),
+        (x, (kv.float(), kv.float(), pos), "must be torch.float16"),
+        (x, (kv, kv, pos.float()), "integer tensor"),
+        (x, (kv, kv), "tuple \\(k, v, positions\\)"),
+    ]
+    for xx, kv_out, match in bad:
+        with pytest.raises(ValueError, match=f"`kv_out`.*{match}|{match}"):
+            table = torch.ones(*xx.shape[:-1], 16, dtype=torch.float16)
+            ops.linear_rope(xx, w, table, table, 96, kv_out=kv_out)
+
+
 def test_linear_rope_declines_where_the_kernel_cannot_rotate(monkeypatch):
     """None (the caller rotates after the projection) off CUDA, with `fuse_rope` off, a K split, blocks of one feature
     or of pairs that do not divide a half head, or tables in another dtype."""
@@ -261,26 +318,33 @@ def test_linear_rope_declines_where_the_kernel_cannot_rotate(monkeypatch):
         assert ops.linear_rope(x, w, cos, sin, 64) is None, bad
 
 
-@kernels
-def test_tiny_ouro_rotates_in_the_projection_kernel_bit_for_bit(on_cpu, monkeypatch):
-    """A tiny fp16 Ouro prompt and decode step with the projections on the kernel: the q/k/v launches carry RoPE
-    (`linear_rope`; strided query and key views downstream), and the logits equal those of the rotation run as its
-    own kernel (`fuse_rope` off), bit for bit."""
-    from hf_loopcache import FullLoopCache
+def _tiny_ouro_on_the_kernel(monkeypatch, keyword):
+    """A tiny fp16 Ouro (seed 0) whose projections take the GEMV kernel (the interpreter's fused ops too), and the list
+    into which every launch appends whether it was given `keyword` (`rope`, `kv_out`)."""
     from triton_ops.fused import ops as fused_ops
 
     if INTERPRET and not torch.cuda.is_available():
         monkeypatch.setattr(fused_ops, "use_triton", lambda op, *tensors: True)
     torch.manual_seed(0)
     model, _ = _tiny("ouro")
-    model = model.to(DEVICE, torch.float16).eval()
-    ids = torch.randint(1, 64, (1, 5), device=DEVICE)
     monkeypatch.setitem(GEMV_TUNING, "enabled", True)
     monkeypatch.setitem(GEMV_TUNING, "listed_only", False)
-    rope_launches = []
+    launches = []
     real = ops._gemv_fwd
-    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a, **kw: rope_launches.append(kw.get("rope") is not None)
+    monkeypatch.setattr(ops, "_gemv_fwd", lambda *a, **kw: launches.append(kw.get(keyword) is not None)
                         or real(*a, **kw))  # fmt: skip
+    return model.to(DEVICE, torch.float16).eval(), launches
+
+
+@kernels
+def test_tiny_ouro_rotates_in_the_projection_kernel_bit_for_bit(on_cpu, monkeypatch):
+    """A tiny fp16 Ouro prompt and decode step with the projections on the kernel: the q/k/v launches carry RoPE
+    (`linear_rope`; strided query and key views downstream), and the logits equal those of the rotation run as its
+    own kernel (`fuse_rope` off), bit for bit."""
+    from hf_loopcache import FullLoopCache
+
+    model, rope_launches = _tiny_ouro_on_the_kernel(monkeypatch, "rope")
+    ids = torch.randint(1, 64, (1, 5), device=DEVICE)
 
     def decode():
         cache = FullLoopCache(model)
@@ -293,6 +357,39 @@ def test_tiny_ouro_rotates_in_the_projection_kernel_bit_for_bit(on_cpu, monkeypa
     rope_launches.clear()
     monkeypatch.setitem(GEMV_TUNING, "fuse_rope", False)
     assert torch.equal(decode(), fused_rope) and not any(rope_launches)
+
+
+@kernels
+@pytest.mark.parametrize("cache_name", ["full", "ripe"])
+def test_tiny_ouro_stores_keys_and_values_in_the_projection_kernel(on_cpu, monkeypatch, cache_name):
+    """A tiny fp16 Ouro, prompt of 2 rows and 3 decode steps into a static cache, projections on the kernel: every
+    decode step's q/k/v launch of a static dense cell stores its keys and values (`kv_out`; RIPE: the deepest plane's
+    cells, not the windowed ones), and the logits and the stored cells equal, bit for bit, those with the cell writing
+    them itself (`fuse_kv` off)."""
+    from hf_loopcache import FullLoopCache, RIPECache
+    from hf_loopcache.cache.layers.static import StaticDenseLayer
+
+    model, stores = _tiny_ouro_on_the_kernel(monkeypatch, "kv_out")
+    ids = torch.randint(1, 64, (2, 7), device=DEVICE)
+    make = {"full": lambda: FullLoopCache(model, static=True, max_batch_size=2, max_cache_len=8),
+            "ripe": lambda: RIPECache(model, window=2, static=True, max_batch_size=2, max_cache_len=8)}[cache_name]
+
+    def decode():
+        cache = make()
+        with torch.no_grad():
+            logits = [model(ids[:, :4], cache=cache).logits]
+            logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(4, 7)]
+        return torch.cat(logits, 1), [layer.full_states() for layer in cache.cells]
+
+    logits, cells = decode()
+    dense = sum(isinstance(layer, StaticDenseLayer) for layer in make().cells) if cache_name == "ripe" else 2
+    assert 0 < sum(stores) == 3 * dense  # one store per decode step and static dense cell (1 layer x 2 loops)
+    stores.clear()
+    monkeypatch.setitem(GEMV_TUNING, "fuse_kv", False)
+    plain_logits, plain_cells = decode()
+    assert not any(stores) and torch.equal(logits, plain_logits)
+    for (k, v), (pk, pv) in zip(cells, plain_cells):
+        assert torch.equal(k, pk) and torch.equal(v, pv)
 
 
 # ---- dispatch (any machine) ----

@@ -9,7 +9,8 @@ enough programs to fill the SMs (K split into ranges added in a fixed order when
   kernel's input load where the projection takes the kernel (`GEMV_TUNING["fuse_silu"]`).
 - `linear_rope(x, weight, cos, sin, rotated)`: a stacked q/k/v projection with rotate-half RoPE applied to its
   queries and keys in the kernel (`GEMV_TUNING["fuse_rope"]`), or None where `linear` would not launch the kernel
-  with settings that allow it (the caller rotates with `triton_ops.fused.rotate_half`).
+  with settings that allow it (the caller rotates with `triton_ops.fused.rotate_half`); with `kv_out`, a one-token
+  step's keys and values are also stored into a static cache cell (`GEMV_TUNING["fuse_kv"]` gates the models' use).
 - `GEMV_TUNING`, `GEMV_CONFIGS`: the switch and defaults, and the measured settings per `(N, K)` and row class.
 
 See `README.md`.

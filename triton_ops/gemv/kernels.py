@@ -13,7 +13,9 @@ first weight tile before the wait (weights are no kernel's output), and each nex
 `silu(gate) * up` (rounded as `triton_ops.fused.silu_mul` rounds it) as its input: no separate activation kernel.
 
 `ROPE` (a stacked q/k/v projection, `linear_rope`): each program computes channel pairs `(c, c + D/2)` of one head
-and applies rotate-half RoPE to the query and key features before its store: no separate rotation kernel.
+and applies rotate-half RoPE to the query and key features before its store: no separate rotation kernel. With `KV`
+it also stores the key and value features of its row into a static cache cell's storage at the step's position (read
+from the device): no separate cache-write kernel.
 """
 
 from __future__ import annotations
@@ -40,16 +42,23 @@ def _x_tile(p, m, K, GATED: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])  # one compile for every row count of a block
 def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
                      cos_ptr, sin_ptr, stride_cs, ROT,
+                     k_ptr, v_ptr, pos_ptr, KV_START, stride_kb, stride_kh, stride_kt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                      IEEE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, PRELOAD: tl.constexpr,
-                     GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr):
+                     GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, KV: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """`x` `[M, K]` (GATED: `[M, 2K]`) and `W` `[N, K]` (last axes contiguous); `out` `[M, N]` at row stride
     `stride_om` (PARTIAL: fp32 `[SPLIT, M, N]`, split stride `stride_os`). `K_SPLIT` is a multiple of `BLOCK_K`.
 
     `ROPE` (one split; heads of `2 * HALF` features, `HALF` a multiple of `BLOCK_N / 2`): program `i_n` computes the
     channels `c .. c + BLOCK_N / 2` and their partners `HALF` further of one head, and rotates the output features
     below `ROT` (rotate-half RoPE, `cos` / `sin` one row of `2 * HALF` values per row of `x` at stride `stride_cs`)
-    with `triton_ops.fused`'s `_rotate_kernel` roundings after rounding the projection to the output dtype."""
+    with `triton_ops.fused`'s `_rotate_kernel` roundings after rounding the projection to the output dtype.
+
+    `KV` (with `ROPE`): the features `[KV_START, ROT)` (keys, rotated) and `[ROT, N)` (values) of row `m` are also
+    stored at `k` / `v` `[m, head, pos, d]` (strides `stride_kb`, `stride_kh`, `stride_kt`, `d` contiguous; heads of
+    `2 * HALF` features), `pos` the integer at `pos_ptr`: what `triton_ops.fused.write_kv` writes for a one-token
+    step."""
     i_n = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)
     o_m = tl.arange(0, BLOCK_M)
@@ -128,6 +137,14 @@ def _gemv_fwd_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_x
             b_a = (b_o.to(tl.float32) * b_cos).to(b_o.dtype)
             b_b = (b_r.to(tl.float32) * b_sin).to(b_o.dtype)
             b_o = tl.where(m_r, (b_a.to(tl.float32) + b_b.to(tl.float32)).to(b_o.dtype), b_o)
+            if KV:  # the key and value features into the cell's storage at the step's position
+                pos = tl.load(pos_ptr).to(tl.int64)
+                is_v = o_n >= ROT
+                c_kv = tl.where(is_v, o_n - ROT, o_n - KV_START)  # (negative for queries: never stored)
+                o_kv = (c_kv // (2 * HALF)) * stride_kh + pos * stride_kt + c_kv % (2 * HALF)
+                p_kv = o_m[:, None] * stride_kb + o_kv[None, :]
+                tl.store(k_ptr + p_kv, b_o, mask=m_y & ((o_n >= KV_START) & (o_n < ROT))[None, :])
+                tl.store(v_ptr + p_kv, b_o, mask=m_y & is_v[None, :])
         tl.store(out_ptr + o_y, b_o, mask=m_y)
 
 

@@ -38,6 +38,7 @@ GEMV_TUNING: dict[str, Any] = {
     "min_split_k": 512,
     "fuse_silu": True,
     "fuse_rope": True,
+    "fuse_kv": True,
 }
 """The models' switch and the defaults: `enabled` sends the decode projections of the native models (`linear`,
 `hf_loopcache.models._common`) to the kernel on CUDA (on: `GEMV_CONFIGS` holds the H200's measured wins); with `listed_only`
@@ -46,7 +47,9 @@ shape does (`default_config` where none is listed); `max_rows` is the most rows 
 take it; `programs_per_sm` is the programs the default split aims at per SM; `min_split_k` the fewest K values one
 split reads; `fuse_silu` lets `silu_linear` read a gated MLP's activation in the down projection's kernel (one launch
 less per layer call) where that projection takes the kernel; `fuse_rope` lets `linear_rope` rotate the queries and
-keys of a stacked q/k/v projection in its kernel (one launch less per layer call)."""
+keys of a stacked q/k/v projection in its kernel (one launch less per layer call); `fuse_kv` lets the models hand
+that kernel a static dense cell's storage (`kv_out`), so it stores the step's keys and values itself (one cache-write
+launch less per layer call)."""
 
 GEMV_CONFIGS: dict[tuple[int, int], dict[int, dict[str, Any] | None]] = {
     # H200 (torch 2.11, Triton 3.6, bf16; `python -m benchmarks.run gemv`, benchmarks/results/gemv_h200.json): the
@@ -178,10 +181,13 @@ def gemv_config(m: int, n: int, k: int, sms: int) -> dict[str, Any]:
 
 
 def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, Any], sms: int,
-              gated: bool = False, rope: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+              gated: bool = False, rope: tuple[Tensor, Tensor, int] | None = None,
+              kv_out: tuple[Tensor, Tensor, Tensor, int] | None = None) -> Tensor:
     """Launch on `x2` `[M, K]` (`gated`: `[M, 2K]`, gate then up; last axis contiguous); returns `[M, N]` in `x2`'s
     dtype. `rope`: `(cos, sin, rotated)`, `cos` / `sin` `[M, D]` (last axis contiguous, one row stride), the first
-    `rotated` output features rotated in the kernel (one K split; blocks `_rope_blocks` accepts)."""
+    `rotated` output features rotated in the kernel (one K split; blocks `_rope_blocks` accepts). `kv_out` (with
+    `rope`): `(k, v, positions, kv_start)`, features `[kv_start, rotated)` and `[rotated, N)` of each row also stored
+    at `k` / `v` `[row, head, positions[0], :]` (checked by `linear_rope`)."""
     from triton_ops.gemv.kernels import _gemv_fwd_kernel, _gemv_reduce_kernel
 
     m = x2.shape[0]
@@ -202,6 +208,10 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
         raise ValueError(f"RoPE in the kernel needs one K split and channel pairs of one head per block; got split "
                          f"{split}, block_n {block_n}, head dim {rope[0].shape[-1]}, N {n}, rotated {rope[2]}")
     cos, sin, rotated = rope if rope is not None else (out, out, 0)
+    if kv_out is not None and rope is None:
+        raise ValueError("`kv_out` is stored by the RoPE epilogue: pass `rope` too")
+    k_store, v_store, positions, kv_start = kv_out if kv_out is not None else (out, out, out, 0)
+    kv_strides = k_store.stride()[:3] if kv_out is not None else (0, 0, 0)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if partial else out
     bias_arg = bias if bias is not None else out
     pdl = pdl_options(x2)
@@ -211,10 +221,10 @@ def _gemv_fwd(x2: Tensor, weight: Tensor, bias: Tensor | None, cfg: dict[str, An
     with launch_device(x2):
         _gemv_fwd_kernel[grid](
             x2, weight, bias_arg, ws, m, n, k, k_split, x2.stride(0), weight.stride(0), n, m * n, cos, sin,
-            cos.stride(0), rotated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot,
-            IEEE=x2.dtype == torch.float32, PARTIAL=partial, HAS_BIAS=bias is not None and not partial,
-            PRELOAD=preload, GATED=gated, ROPE=rope is not None, HALF=max(1, cos.shape[-1] // 2) if rope else 1,
-            **pdl, **launch)  # fmt: skip
+            cos.stride(0), rotated, k_store, v_store, positions, kv_start, *kv_strides, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, IEEE=x2.dtype == torch.float32, PARTIAL=partial,
+            HAS_BIAS=bias is not None and not partial, PRELOAD=preload, GATED=gated, ROPE=rope is not None,
+            HALF=max(1, cos.shape[-1] // 2) if rope else 1, KV=kv_out is not None, **pdl, **launch)  # fmt: skip
         if partial:
             block = 1024
             _gemv_reduce_kernel[(_cdiv(m * n, block),)](ws, bias_arg, out, m * n, n, split, m * n,
@@ -333,7 +343,8 @@ def _rope_blocks(block_n: int, d: int, n: int, rotated: int) -> bool:
             and n % d == 0 and rotated % d == 0 and 0 <= rotated <= n)
 
 
-def linear_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rotated: int) -> Tensor | None:
+def linear_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rotated: int, *,
+                kv_out: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor | None:
     """`linear(x, weight)` with rotate-half RoPE applied to its first `rotated` output features (heads of `D =
     cos.shape[-1]` channels: a stacked q/k/v projection's queries and keys) in the GEMV kernel, or None where that
     kernel is not what `linear` launches here (the caller then rotates with `triton_ops.fused.rotate_half`).
@@ -349,9 +360,16 @@ def linear_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rotated: in
         weight (`torch.Tensor` of shape `[N, K]`): the stacked projection (`N` whole heads).
         cos, sin (`torch.Tensor` of shape `[..., D]`): RoPE tables per row of `x`.
         rotated (`int`): how many leading output features are rotated (a multiple of `D`).
+        kv_out (`tuple`, *optional*): `(k, v, positions)` of a static cache cell for a one-token step: storage `k` /
+            `v` `[B', H_kv, T, D]` (`B' >=` the rows of `x`, `D` contiguous) and `positions` (an integer tensor on
+            the device, the step's position first). The kernel also stores the keys (the `H_kv * D` features before
+            `rotated`, rotated) and the values (the `H_kv * D` after it) of every row there, as
+            `triton_ops.fused.write_kv` would: they are written exactly when the result is not None.
     """
     n, k = weight.shape
     d = cos.shape[-1]
+    if kv_out is not None:
+        _check_kv_out(kv_out, x, n, d, rotated)
     if not GEMV_TUNING["fuse_rope"] or cos.shape != sin.shape or cos.shape[:-1] != x.shape[:-1]:
         return None
     if cos.dtype != x.dtype or sin.dtype != x.dtype or x.stride(-1) != 1 or not routes(x, weight):
@@ -364,4 +382,27 @@ def linear_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rotated: in
         return None
     cos2, sin2 = cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    return _gemv_fwd(x2, w, None, cfg, sms, rope=(cos2, sin2, rotated)).view(*x.shape[:-1], n)
+    kv = None if kv_out is None else (*kv_out, rotated - (n - rotated))
+    return _gemv_fwd(x2, w, None, cfg, sms, rope=(cos2, sin2, rotated), kv_out=kv).view(*x.shape[:-1], n)
+
+
+def _check_kv_out(kv_out: Any, x: Tensor, n: int, d: int, rotated: int) -> None:
+    """`linear_rope`'s `kv_out`: one-token rows, storage that holds them, keys and values of whole heads."""
+    if not isinstance(kv_out, tuple) or len(kv_out) != 3:
+        raise ValueError("`kv_out` must be a tuple (k, v, positions)")
+    k, v, positions = kv_out
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    width = n - rotated  # the values' features (and the keys')
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"`kv_out` stores a one-token step: `x` must be [B, 1, K], got {tuple(x.shape)}")
+    if k.dim() != 4 or k.shape != v.shape or k.stride() != v.stride() or k.stride(-1) != 1:
+        raise ValueError(f"`kv_out`'s k and v must be one [B, H_kv, T, D] layout with D contiguous; got "
+                         f"{tuple(k.shape)} / {tuple(v.shape)}")
+    if k.shape[0] < rows or k.shape[1] * k.shape[3] != width or k.shape[3] != d or width <= 0 or rotated < 2 * width:
+        raise ValueError(f"`kv_out`'s storage {tuple(k.shape)} must hold {rows} rows of {width} key and value "
+                         f"features in heads of {d}")
+    if k.dtype != x.dtype or v.dtype != x.dtype or k.device != x.device or v.device != x.device:
+        raise ValueError(f"`kv_out`'s storage must be {x.dtype} on {x.device}; got {k.dtype} on {k.device}")
+    if positions.numel() < 1 or positions.dtype.is_floating_point or positions.device != x.device:
+        raise ValueError(f"`kv_out`'s positions must be an integer tensor on {x.device}; got {positions.dtype} on "
+                         f"{positions.device}")

@@ -195,16 +195,30 @@ class StaticDenseLayer(_StaticStorage):
     def _storage_positions(self) -> int:
         return self.max_positions
 
-    def _write(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+    def _write(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, written: bool = False) -> None:
         q = key.shape[2]
         if self.length + q > self.max_positions:
             raise ValueError(
                 f"this static cache holds at most `max_cache_len={self.max_positions}` positions; writing {q} more "
                 f"after {self.length} would overflow it (build it with a larger `max_cache_len`)"
             )
-        k, v = self._views()
-        fused.write_kv(k, v, key, value, positions)  # one launch on CUDA (two `index_copy_` elsewhere)
+        if not written:
+            k, v = self._views()
+            fused.write_kv(k, v, key, value, positions)  # one launch on CUDA (two `index_copy_` elsewhere)
         self.length += q
+
+    def write_target(self, batch: int, query_length: int, read: ReadState) -> tuple[torch.Tensor, ...] | None:
+        """`(k, v, positions)`: the storage rows and the device-side positions where this forward's new keys and values
+        go, for a projection kernel that stores them itself (`triton_ops.gemv.linear_rope`'s `kv_out`) in a one-token
+        step of `batch` rows after the prefill; None otherwise. The forward then calls `attend(..., written=True)`
+        when they were stored."""
+        if query_length != 1 or not self.is_initialized or self.length == 0 or batch != self.rows:
+            return None
+        if self.length + query_length > self.max_positions:
+            return None  # (`attend` raises)
+        positions = self._positions(query_length, read)
+        k, v = self._views()
+        return k, v, positions
 
     def advance(self, query_length: int) -> None:
         """Host bookkeeping of a replayed step that wrote `query_length` positions."""
@@ -219,12 +233,16 @@ class StaticDenseLayer(_StaticStorage):
         k, v = self._views()
         return k[:, :, : self.length], v[:, :, : self.length]
 
-    def attend(self, query, key, value, read):
+    def attend(self, query, key, value, read, written=False):
+        """`written`: the new keys and values are already in the storage at the forward's positions (a projection
+        kernel stored them at the positions `write_target` gave); only the length advances."""
         if not self.is_initialized or self.length == 0:  # a fresh start may have another row count
+            if written:
+                raise ValueError("keys and values stored by the projection need a cell after its prefill")
             self.lazy_initialization(key, value)
         first = self.length == 0
         positions = self._positions(key.shape[2], read)
-        self._write(key, value, positions)
+        self._write(key, value, positions, written)
         if first:  # prefill into an empty cell: causal attention over the new tokens (fast kernels, no full mask)
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
         k, v = self._views()

@@ -81,10 +81,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_out: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """Queries `[B, H, q, D]`, keys and values `[B, H_kv, q, D]` of the normed input `x` `[B, q, n_embd]`: the
-        fused projection, the learned bias and the pair-wise RoPE (`cos` / `sin` fp32 `[B, q, 1, D/2]`)."""
+        fused projection, the learned bias and the pair-wise RoPE (`cos` / `sin` fp32 `[B, q, 1, D/2]`); False: the
+        projection stores nothing at `kv_out` (the cell stores the keys and values)."""
         b, q_len, _ = x.shape
         h, hk, d = self.n_head, self.n_kv_heads, self.head_dim
         qkv = linear(self.Wqkv, x)
@@ -101,7 +102,7 @@ class CausalSelfAttention(nn.Module):
             q, k = fused.rotate_pairs(q, cos, sin, bias=q_bias), fused.rotate_pairs(k, cos, sin, bias=k_bias)
         if q_len > 1:  # own the values, so the fused projection's output (3 hidden states a token) is freed here
             v = v.contiguous()
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), False
 
 
 class GatedMLP(nn.Module):

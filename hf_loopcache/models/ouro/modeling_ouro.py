@@ -108,17 +108,19 @@ class OuroAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_out: tuple[torch.Tensor, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """Queries `[B, H, q, D]`, keys and values `[B, H_kv, q, D]` of the normed input `x` `[B, q, hidden]`, RoPE
-        (`cos` / `sin` `[B, q, D]`) applied to queries and keys."""
+        (`cos` / `sin` `[B, q, D]`) applied to queries and keys, and whether the keys and values were also stored at
+        `kv_out` (a static cell's storage and the step's positions: `triton_ops.gemv.linear_rope`) by the projection's
+        kernel."""
         b, q_len, _ = x.shape
         d, hq, hk = self.head_dim, self.num_heads, self.num_kv_heads
         found = stacked_rope_projection(
-            self, ("q_proj", "k_proj", "v_proj"), x, cos.to(x.dtype), sin.to(x.dtype), (hq + hk) * d
+            self, ("q_proj", "k_proj", "v_proj"), x, cos.to(x.dtype), sin.to(x.dtype), (hq + hk) * d, kv_out
         )
         if found is not None:  # a short input: one GEMM, queries and keys rotated in it or by one launch after it
-            qkv, rotated = found
+            qkv, rotated, stored = found
             if rotated:
                 query = qkv[..., : hq * d].view(b, q_len, hq, d).transpose(1, 2)
                 key = qkv[..., hq * d : (hq + hk) * d].view(b, q_len, hk, d).transpose(1, 2)
@@ -127,14 +129,14 @@ class OuroAttention(nn.Module):
                 qk = fused.rotate_half(qkv[..., : (hq + hk) * d].view(b, q_len, hq + hk, d), cos, sin)
                 query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
             value = qkv[..., (hq + hk) * d :].view(b, q_len, hk, d).transpose(1, 2)
-            return query, key, value
+            return query, key, value, stored
         query = self.q_proj(x).view(b, q_len, -1, d)
         key = self.k_proj(x).view(b, q_len, -1, d)
         value = self.v_proj(x).view(b, q_len, -1, d).transpose(1, 2)
         cos, sin = cos.to(query.dtype), sin.to(query.dtype)
         query = fused.rotate_half(query, cos, sin).transpose(1, 2)
         key = fused.rotate_half(key, cos, sin).transpose(1, 2)
-        return query, key, value
+        return query, key, value, False
 
 
 class OuroDecoderLayer(nn.Module):
