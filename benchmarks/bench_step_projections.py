@@ -12,9 +12,12 @@ graph, and reports microseconds per layer:
   projection as `silu_linear` runs it);
 - one row per projection and candidate: the step with that projection alone run by cuBLAS or by the GEMV kernel
   at the candidate's settings (the difference to `step` is what the projection's setting is worth per layer call;
-  times 96 for an Ouro-1.4B step).
+  times 96 for an Ouro-1.4B step);
+- with `--norm-warps`, one row per setting of the norm kernel's warps (`triton_ops.fused.NORM_TUNING`): the step
+  with both norm pairs of every layer launched so.
 
     python -m benchmarks.bench_step_projections [--rows 1] [--layers 24] [--out step_projections_h200] [--quick]
+        [--norm-warps 1 2 4 8] [--only qkv ...]
     python -m benchmarks.bench_step_projections --device cpu --layers 2 --quick   # the script (TRITON_INTERPRET=1)
 """
 
@@ -135,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--replays", type=int, default=30)
-    parser.add_argument("--only", nargs="+", default=list(PROJECTIONS), choices=PROJECTIONS)
+    parser.add_argument("--only", nargs="*", default=list(PROJECTIONS), choices=PROJECTIONS,
+                        help="projections whose settings are swept (none: only the step and the norm rows)")
+    parser.add_argument("--norm-warps", nargs="*", type=int, default=[], help="norm kernel warps to sweep")
     parser.add_argument("--quick", action="store_true", help="4-warp candidates only")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="step_projections_h200")
@@ -160,6 +165,16 @@ def main(argv: list[str] | None = None) -> None:
 
         base = measure("step", {})
         print(f"M={m} step: {base['us_per_layer']:.2f} us per layer [{time.time() - t0:.0f} s]", flush=True)
+        for warps in args.norm_warps:
+            from triton_ops.fused import NORM_TUNING
+
+            before = dict(NORM_TUNING)
+            NORM_TUNING["num_warps"] = warps
+            try:
+                found = measure("norm", {}, "norm", {"num_warps": warps})
+            finally:
+                NORM_TUNING.update(before)
+            print(f"M={m} norm kernel on {warps} warps: {found['us_per_layer']:.2f} us per layer", flush=True)
         for name in args.only:
             n, k = shapes[name]
             found = [measure("cublas", {name: "cublas"}, name, "cublas")]

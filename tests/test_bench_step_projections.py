@@ -22,6 +22,24 @@ def test_rows_on_cpu(tmp_path, monkeypatch):
     assert len(gemv) == len(bench.fma_candidates(1, quick=True)) and all(r["variant"] == "gemv" for r in gemv)
 
 
+def test_norm_warps_rows_and_the_setting_restored(tmp_path, monkeypatch):
+    """`--norm-warps` adds one `norm` row per setting after the step row, `--only` with no projection sweeps none, and
+    `NORM_TUNING` is what it was after the run."""
+    from triton_ops.fused import NORM_TUNING
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "ouro_shapes", lambda: {"qkv": (96, 32), "o_proj": (32, 32), "gate_up": (128, 32),
+                                                        "down_proj": (32, 64)})  # fmt: skip
+    seen = []
+    real = bench.time_plan
+    monkeypatch.setattr(bench, "time_plan", lambda *a: seen.append(NORM_TUNING["num_warps"]) or real(*a))
+    bench.main(["--device", "cpu", "--layers", "1", "--replays", "1", "--only", "--norm-warps", "1", "8", "--out", "n"])
+    rows = json.loads((tmp_path / "n.json").read_text())["rows"]
+    assert [(r["variant"], r["config"]) for r in rows] == [("step", None), ("norm", {"num_warps": 1}),
+                                                           ("norm", {"num_warps": 8})]  # fmt: skip
+    assert seen == [None, 1, 8] and NORM_TUNING["num_warps"] is None
+
+
 def test_candidates_keep_the_accumulator_in_registers():
     """At most 64 fp32 products per thread (`rows x block_n x block_k / (32 x warps)`), fewer settings for more rows,
     and the in-step sweep's winners among them."""

@@ -9,6 +9,7 @@ off in a block (comparisons, benchmarks). See `README.md`.
 """
 
 from triton_ops.fused.ops import (
+    NORM_TUNING,
     disabled,
     enabled,
     rms_norm,
@@ -19,4 +20,14 @@ from triton_ops.fused.ops import (
     write_kv,
 )
 
-__all__ = ["disabled", "enabled", "rms_norm", "rms_norm_pair", "rotate_half", "rotate_pairs", "silu_mul", "write_kv"]
+__all__ = [
+    "NORM_TUNING",
+    "disabled",
+    "enabled",
+    "rms_norm",
+    "rms_norm_pair",
+    "rotate_half",
+    "rotate_pairs",
+    "silu_mul",
+    "write_kv",
+]

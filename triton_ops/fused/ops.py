@@ -16,9 +16,30 @@ from triton_ops.fused import reference
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["disabled", "enabled", "rms_norm", "rms_norm_pair", "rotate_half", "rotate_pairs", "silu_mul", "write_kv"]
+__all__ = [
+    "NORM_TUNING",
+    "disabled",
+    "enabled",
+    "rms_norm",
+    "rms_norm_pair",
+    "rotate_half",
+    "rotate_pairs",
+    "silu_mul",
+    "write_kv",
+]
 
 _state = threading.local()
+
+NORM_TUNING: dict[str, int | None] = {"num_warps": None}
+"""Launch settings of the norm kernel (`rms_norm`, `rms_norm_pair`): `num_warps` per program (one program per row),
+None for the rule `_norm_warps` (benchmarks set it to sweep)."""
+
+
+def _norm_warps(block: int) -> int:
+    found = NORM_TUNING["num_warps"]
+    if found is not None:
+        return int(found)
+    return 8 if block >= 4096 else 4
 
 
 def enabled() -> bool:
@@ -69,7 +90,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, add_before: Tensor | None, 
             _rms_norm_kernel[(rows,)](xc, weight.contiguous(), before, after, out, w2, out2 if out2 is not None else out,
                                       n, float(eps), eps2, HAS_BEFORE=add_before is not None,
                                       HAS_AFTER=add_after is not None, HAS_NEXT=then is not None, BLOCK=block,
-                                      **pdl_options(x), num_warps=8 if block >= 4096 else 4)
+                                      **pdl_options(x), num_warps=_norm_warps(block))
     return out, out2
 
 
