@@ -311,3 +311,32 @@ def test_captured_loopkv_decode_equals_eager_cuda(arch, name):
     for a, b in zip(captured.logits, eager.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     assert torch.equal(stats.counts, eager_counts)
+
+
+@pytest.mark.parametrize("name", ["kivi4-share", "hand"])
+def test_decode_step_values_shared_across_cells_once_per_forward(name):
+    """The device values a static windowed cell computes for its read and flush (history ends, flush geometry, a
+    shared cell's history) are made once per forward for every cell with the same sink, window, page and ring, and
+    looked up by the rest (`read.memo`): one entry per kind of cell, not one per cell. The keys are tags of what the
+    values depend on, never a tensor's address or identity (which `torch.compile` cannot hash on torch 2.11, and which
+    a view made per cell would not share)."""
+    model = _model("ouro")
+    cache = _cache(model, name, static=True, max_batch_size=2, max_cache_len=32)
+    ids, mask = _prompt(2, True)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=cache, **call_kwargs("ouro"))
+        grown = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        model(input_ids=torch.tensor([[5], [7]]), attention_mask=grown, cache=cache, **call_kwargs("ouro"))
+    (read,) = cache._read[1].values()
+    kinds = {}
+    for key in read.memo:
+        if isinstance(key, tuple) and str(key[0]).startswith("static-"):
+            kinds.setdefault(key[0], []).append(key)
+    cells = [c for c in cache.cells if isinstance(c, (StaticCodedLayer, StaticCodedSharedLayer))]
+    coded = [c for c in cells if isinstance(c, StaticCodedLayer)]
+    assert len(cells) > 2 and len(coded) >= 2
+    rings = {(type(c) is StaticCodedLayer, c.capacity) for c in cells}
+    assert len(kinds["static-coded-geometry"]) == len({c.capacity for c in coded}) == 1
+    assert len(kinds["static-row-ends"]) == 1 and len(kinds["static-effective"]) == 1
+    if any(isinstance(c, StaticCodedSharedLayer) for c in cells):
+        assert 1 <= len(kinds["static-shared-hist"]) <= len(rings)

@@ -198,6 +198,12 @@ class _StaticWindowed(_StaticStorage):
     def _ring_holds(self, position: int) -> bool:
         return position >= max(self.floor, self.held_from, self.high - self.capacity)
 
+    def _positions_tag(self, read: ReadState, positions: torch.Tensor) -> object:
+        """`read.memo`'s key for a forward's new positions (`_positions`): the forward's own, shared by every cell, or
+        the `q` after this cell's length. A tag, not the tensor's address or identity: `torch.compile` can hash
+        neither `data_ptr()` (torch 2.11) nor the `id()` of a tensor made inside the graph."""
+        return "forward" if positions is read.positions else ("own", self.length, positions.shape[0])
+
     # ------------------------------------------------------------------ reads
     def _history(self) -> tuple[object, object]:
         """Codes or a BF16 plane of every history page `[S, ...)` (fixed shapes)."""
@@ -212,12 +218,12 @@ class _StaticWindowed(_StaticStorage):
         history, before any clamp: those whose effective position (the row's holes left out, `effective_storage`) is
         below `H` of the query's effective position, as the growable `WindowedLayer` counts them. Without holes this
         is `H(t)`. The same for every windowed cell of the forward with this sink, window and page (`read.memo`)."""
-        key = ("static-row-ends", self.sink, self.window, self.page, self.rows, positions.data_ptr())
+        key = ("static-row-ends", self.sink, self.window, self.page, self.rows, self._positions_tag(read, positions))
         ends = read.memo.get(key)
         if ends is None:
             if read.static_valid is None:
                 raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
-            eff_key = ("static-effective", self.rows, read.static_valid.data_ptr())
+            eff_key = ("static-effective", self.rows)  # (the forward's one validity: `read.memo` is per forward)
             eff = read.memo.get(eff_key)
             if eff is None:
                 eff = read.memo[eff_key] = effective_storage(read.static_valid[: self.rows])  # [B, L], non-decreasing
@@ -595,15 +601,16 @@ class StaticCodedLayer(_StaticWindowed):
             qk, qv = self._quantize(k, v, mask)
             self._put((a - self.sink) // self.page, qk, qv)
 
-    def _held(self, read: ReadState, positions: torch.Tensor) -> torch.Tensor:
+    def _held(self, read: ReadState, positions: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Positions this cell holds before the forward's write, on the device (`[1]`): the forward's first position
         when the forward writes the cell, the cache's final-loop length in a draft that does not (the cell is then a
-        source whose readers run)."""
+        source whose readers run); and which of those it is, for `read.memo`'s keys (a tag, not the tensor's
+        address: `torch.compile` cannot hash `data_ptr()` on torch 2.11)."""
         if read.complete or read.length is None or self.length == read.length:
-            return positions[:1]
+            return positions[:1], "first"
         if read.source_length is None:
-            return torch.full((1,), self.length, dtype=torch.long, device=positions.device)
-        return read.source_length
+            return torch.full((1,), self.length, dtype=torch.long, device=positions.device), ("host", self.length)
+        return read.source_length, "source"
 
     def _geometry(self, read: ReadState, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """Device values of one forward for this cell's reads and its flush, shared by every coded cell with the same
@@ -611,9 +618,9 @@ class StaticCodedLayer(_StaticWindowed):
         `page_floor(held)`), and the `K = flush_pages(P, R)` pages that end at the page boundary at or above the
         largest `hist` (`target`): their starts, ring slots, page indices, whether each is due (a page of the history
         the ring still holds) and the key validity of their positions."""
-        held = self._held(read, positions)
+        held, held_tag = self._held(read, positions)
         key = ("static-coded-geometry", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
-               positions.data_ptr(), held.data_ptr())  # fmt: skip
+               self._positions_tag(read, positions), held_tag)  # fmt: skip
         geo = read.memo.get(key)
         if geo is None:
             limit = page_floor_t(held, self.sink, self.page)
@@ -859,7 +866,7 @@ class StaticCodedSharedLayer(_StaticWindowed):
         on the device: all `length` positions in a complete forward (it is written later in it), its own in a draft
         (the cache's final-loop length, so a captured draft reads no host length); page aligned for codes."""
         key = ("static-shared-hist", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
-               positions.data_ptr(), read.complete, coded)  # fmt: skip
+               self._positions_tag(read, positions), read.complete, coded)  # fmt: skip
         hist = read.memo.get(key)
         if hist is None:
             if read.complete:
