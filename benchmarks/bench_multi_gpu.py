@@ -47,17 +47,20 @@ CACHES = {"full": lambda m: FullLoopCache(m), "ripe64": lambda m: RIPECache(m, w
 
 def balanced_device_map(config: Any, devices: list[str]) -> dict[str, str]:
     """A device map (for a model of `config`) that cuts the repeated block (Huginn's core, Ouro's layers) into
-    `len(devices)` contiguous runs of layers; what runs before it goes with the first device, what after with the last."""
+    `len(devices)` contiguous runs of layers; what runs before it goes with the first device, what after with the last,
+    except a head tied to the input embedding (Huginn-0125's), which stays with the embedding on the first device (one
+    weight cannot sit on two devices: the embedding would read it from the head's)."""
     n = len(devices)
+    head = devices[0] if getattr(config, "tie_word_embeddings", False) else devices[-1]
     if config.model_type == "ouro":
         layers = config.num_hidden_layers
         device_map = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0]}
         device_map |= {f"model.layers.{i}": devices[i * n // layers] for i in range(layers)}
-        return device_map | {"model.norm": devices[-1], "model.early_exit_gate": devices[-1], "lm_head": devices[-1]}
+        return device_map | {"model.norm": devices[-1], "model.early_exit_gate": devices[-1], "lm_head": head}
     core = config.n_layers_in_recurrent_block
     device_map = {"transformer.wte": devices[0], "transformer.prelude": devices[0], "transformer.adapter": devices[0]}
     device_map |= {f"transformer.core_block.{i}": devices[i * n // core] for i in range(core)}
-    return device_map | {"transformer.coda": devices[-1], "transformer.ln_f": devices[-1], "lm_head": devices[-1]}
+    return device_map | {"transformer.coda": devices[-1], "transformer.ln_f": devices[-1], "lm_head": head}
 
 
 def crossings_per_token(device_map: dict[str, str], config: Any) -> int:

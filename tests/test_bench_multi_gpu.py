@@ -32,9 +32,15 @@ def test_huginn_0125_map_splits_the_core_and_crosses_twice_per_loop():
     config = HuginnConfig(bos_token_id=65504, eos_token_id=65505, pad_token_id=65509)  # the released shape
     device_map = bench.balanced_device_map(config, ["cuda:0", "cuda:1"])
     assert [device_map[f"transformer.core_block.{i}"] for i in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
-    assert device_map["transformer.prelude"] == "cuda:0" and device_map["lm_head"] == "cuda:1"
-    # 32 steps: core 1 -> core 2 and core 3 -> adapter each step, minus the last return (core 3 -> coda stays)
-    assert bench.crossings_per_token(device_map, config) == 2 * 32 - 1
+    assert device_map["transformer.prelude"] == "cuda:0" and device_map["transformer.coda"] == "cuda:1"
+    # its head is tied to the embedding: one weight, so the head stays with the embedding (on the H200 pair a head
+    # mapped to the last device left the embedding reading its weight there: "index is on cuda:0, ... cuda:1")
+    assert config.tie_word_embeddings and device_map["lm_head"] == device_map["transformer.wte"] == "cuda:0"
+    # 32 steps: core 1 -> core 2 and core 3 -> adapter each step, minus the last return (core 3 -> coda stays), and
+    # the coda's output back to the head
+    assert bench.crossings_per_token(device_map, config) == 2 * 32 - 1 + 1
+    untied = HuginnConfig(bos_token_id=65504, eos_token_id=65505, pad_token_id=65509, tie_embeddings=False)
+    assert bench.balanced_device_map(untied, ["cuda:0", "cuda:1"])["lm_head"] == "cuda:1"
 
 
 def test_ouro_map_cuts_the_layers_into_contiguous_runs():

@@ -14,7 +14,9 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.generation.utils import DeferredStopCheck
 
-from hf_loopcache import FullLoopCache, RIPECache, _compat
+from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache, _compat
+from hf_loopcache.cache.layers import StaticCodedSharedLayer
+from hf_loopcache.cache.plan import loopkv_preset
 from hf_loopcache.models._common import _NonFiniteLogits
 from tests.helpers import call_kwargs, make_model, stand_in_graphs
 
@@ -58,6 +60,11 @@ CACHES = {
     "ripe3-static-rollback1": lambda model, **kw: RIPECache(
         model, window=3, max_rollback=1, static=True, max_batch_size=2, max_cache_len=40, **kw
     ),
+    # no reserve: a static RIPE / deepest-plane cache takes one step back exactly (its ring holds it)
+    "ripe3-static": lambda model, **kw: RIPECache(model, window=3, static=True, max_batch_size=2, max_cache_len=40,
+                                                  **kw),
+    "deepest-static": lambda model, **kw: DeepestPlaneCache(model, static=True, max_batch_size=2, max_cache_len=40,
+                                                            **kw),
 }
 
 
@@ -125,6 +132,88 @@ def test_not_deferred_where_the_crop_is_not_exact(cpu_defers):
     assert steps == seq_steps
 
 
+def _exact_crop_cases(model):
+    """Caches of every kind of windowed cell, with and without a rollback reserve (small windows and pages, so a short
+    decode crosses several boundaries)."""
+    static = dict(static=True, max_batch_size=2, max_cache_len=40)
+
+    def loopkv(name, **kw):
+        plan = loopkv_preset(model.loop_layout, name, sink=2, window=4, page_size=4, group_size=8)
+        return lambda: LoopKVCache(model, plan, tau=1.0, **kw)
+
+    return {
+        "ripe1-static": lambda: RIPECache(model, window=1, **static),
+        "ripe3-static": lambda: RIPECache(model, window=3, **static),
+        "deepest-static": lambda: DeepestPlaneCache(model, **static),
+        "ripe3": lambda: RIPECache(model, window=3),
+        "deepest": lambda: DeepestPlaneCache(model),
+        "ripe3-static-rollback1": lambda: RIPECache(model, window=3, max_rollback=1, **static),
+        "kivi4-static": loopkv("kivi4", **static),
+        "kivi4-share-static": loopkv("kivi4-share", **static),
+        "hand-static": loopkv("hand", **static),
+        "kivi4-share-static-rollback1": loopkv("kivi4-share", max_rollback=1, **static),
+    }
+
+
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_exact_crop_is_exact_where_it_says_so(arch):
+    """Wherever `exact_crop(k)` says a crop of `k` positions right after a forward is exact (`k` = 1, 2), it is: a cache
+    that decoded `n + k` tokens and was cropped by `k` decodes on with the same logits, to the last bit in fp64, as
+    one that decoded `n` (a left-padded row; `n` across several windows, pages and flushes). And it says so where that is what makes
+    `generate` defer its stop check: a static RIPE cache and the deepest plane without a reserve (their ring holds
+    the position), any cache within its reserve; not a growable window without one (it drops the position's planes,
+    which the sweep shows when the claim is forced), nor a coded plan without one (a step may code a page the crop
+    does not uncode)."""
+    model = make_model(arch, **({"hidden_size": 64} if arch == "ouro" else {"n_embd": 64})).double()
+    kw = call_kwargs(arch)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (2, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    tokens = torch.randint(3, 64, (2, 24), generator=g)
+    claims, cells = {}, {}
+    for name, make in _exact_crop_cases(model).items():
+        cache = make()
+        for cut in (1, 2):
+            claims[name, cut] = cache.exact_crop(cut)
+        for cell in cache.cells:  # shared cells: LoopKV's pages of 4 need the reserve
+            if isinstance(cell, StaticCodedSharedLayer):
+                cells.setdefault((name, type(cell.source).__name__), set()).add(cell.exact_crop(1))
+        for cut in (1, 2):
+            if not claims[name, cut]:
+                continue
+            for n in range(1, 12):
+                logits = []
+                for extra in (0, cut):
+                    cache, m = make(), mask
+                    with torch.no_grad():
+                        model(input_ids=ids, attention_mask=m, cache=cache, **kw)
+                        for i in range(n + extra):
+                            m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                            model(input_ids=tokens[:, i : i + 1], attention_mask=m, cache=cache, **kw)
+                        if extra:
+                            cache.crop(-extra)
+                            m = m[:, :-extra]
+                        out = []
+                        for i in range(n, n + 5):
+                            m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                            out.append(model(input_ids=tokens[:, i : i + 1], attention_mask=m, cache=cache, **kw).logits)
+                    logits.append(torch.cat(out, 1))
+                assert torch.equal(logits[0], logits[1]), (name, cut, n)
+    assert {name for (name, cut), claim in claims.items() if claim and cut == 1} == {
+        "ripe1-static", "ripe3-static", "deepest-static", "ripe3-static-rollback1", "kivi4-share-static-rollback1",
+    }  # fmt: skip
+    assert {name for (name, cut), claim in claims.items() if claim and cut == 2} == {
+        "deepest-static", "ripe3-static-rollback1",
+    }  # fmt: skip
+    assert cells == {
+        ("ripe1-static", "StaticDenseLayer"): {True}, ("ripe3-static", "StaticDenseLayer"): {True},
+        ("deepest-static", "StaticDenseLayer"): {True}, ("ripe3-static-rollback1", "StaticDenseLayer"): {True},
+        ("kivi4-share-static", "StaticCodedLayer"): {False}, ("hand-static", "StaticCodedLayer"): {False},
+        ("kivi4-share-static-rollback1", "StaticCodedLayer"): {True},
+    }  # fmt: skip
+
+
 def test_which_caches_defer():
     model = make_model("ouro").float()
     full, ripe = FullLoopCache(model), RIPECache(model, window=3)
@@ -158,15 +247,22 @@ def test_non_finite_check_judges_the_kept_steps_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("static", [False, True], ids=["growable", "captured"])
-def test_deferred_on_cuda_equals_sequential(arch, static):
+@pytest.mark.parametrize(
+    "static,kind", [(False, "full"), (True, "full"), (True, "ripe3")], ids=["growable", "captured", "captured-ripe3"]
+)
+def test_deferred_on_cuda_equals_sequential(arch, static, kind):
     """On CUDA the deferred check runs by itself (no stand-ins; a static cache replays its captured step): an
-    end-of-sequence stop runs one step more, and the tokens and the cache left behind equal sequential decoding's."""
+    end-of-sequence stop runs one step more, and the tokens and the cache left behind equal sequential decoding's
+    (a static RIPE cache without a rollback reserve too: its ring takes the step back)."""
     model = make_model(arch).to("cuda", torch.float32)
     ids = _prompt().cuda()
     kw = dict(static=True, max_batch_size=2, max_cache_len=40) if static else {}
-    eos = _eos_for(model, arch, ids, FullLoopCache(model, **kw))
-    seq_cache, def_cache = FullLoopCache(model, **kw), FullLoopCache(model, **kw)
+
+    def make():
+        return FullLoopCache(model, **kw) if kind == "full" else RIPECache(model, window=3, **kw)
+
+    eos = _eos_for(model, arch, ids, make())
+    seq_cache, def_cache = make(), make()
     expected, seq_steps = _generate(model, arch, ids, seq_cache, defer=False, eos=eos)
     got, def_steps = _generate(model, arch, ids, def_cache, defer=True, eos=eos)
     assert def_steps == seq_steps + 1 and torch.equal(got, expected)

@@ -85,6 +85,12 @@ class LoopLayerBase(CacheLayerMixin):
         self._map_batch(lambda t: t.index_select(0, index.to(t.device)))
         self.rows = int(index.shape[0])
 
+    def exact_crop(self, positions: int) -> bool:
+        """Whether cutting the last `positions` positions right after a forward gives back exactly the state before
+        them (`LoopCache.exact_crop`): always for a cell without a window, within the rollback reserve for a windowed
+        one (a cut past it restores a page from the history)."""
+        return getattr(self, "rollback", positions) >= positions
+
     # ------------------------------------------------------------------ to implement
     def truncate(self, length: int) -> None:
         """Keep positions `[0, length)`."""

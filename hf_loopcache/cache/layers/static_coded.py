@@ -845,6 +845,21 @@ class StaticCodedSharedLayer(_StaticWindowed):
     def _capacity(self, rollback: int) -> int:
         return ring_capacity(self.window, self.page, rollback)
 
+    def exact_crop(self, positions: int) -> bool:
+        """Within the rollback reserve, as every windowed cell; past it, also where the cut leaves the ring's reads
+        untouched. The cell codes nothing of its own (its history is the source's storage, read in place; whether the
+        source's cut is exact is the source cell's answer), so the cut is exact when `truncate` keeps the ring (a cut
+        of at most `W` positions and `C >= positions + W + 2P - 1` ring slots: the page below the next read's boundary
+        is still held after the cut, `truncate`'s test), or when the ring serves no history at all (`W = 0`, `P = 1`:
+        the deepest plane, every earlier position read from the source). RIPE(W) with pages of one position and no
+        reserve has `C = W + 2`: a cut of one position (the step `generate` takes back after a deferred stop) is
+        exact, two are not; LoopKV's pages of `P > 1` need the reserve."""
+        if positions <= self.rollback:
+            return True
+        if self.window == 0 and self.page == 1:
+            return True
+        return positions <= self.window and self.capacity >= positions + self.window + 2 * self.page - 1
+
     def attend(self, query, key, value, read):
         if not self.is_initialized or self.length == 0:
             self.lazy_initialization(key, value)
