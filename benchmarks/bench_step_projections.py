@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
         raise ValueError("`--device cuda` runs the compiled kernels; unset TRITON_INTERPRET")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # (the interpreter has no bf16)
+    from triton_ops.fused import NORM_TUNING
+
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     shapes = ouro_shapes()
@@ -166,8 +168,6 @@ def main(argv: list[str] | None = None) -> None:
         base = measure("step", {})
         print(f"M={m} step: {base['us_per_layer']:.2f} us per layer [{time.time() - t0:.0f} s]", flush=True)
         for warps in args.norm_warps:
-            from triton_ops.fused import NORM_TUNING
-
             before = dict(NORM_TUNING)
             NORM_TUNING["num_warps"] = warps
             try:
