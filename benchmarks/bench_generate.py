@@ -38,7 +38,9 @@ the decode projections on the Triton GEMV (`GEMV_TUNING["enabled"]`: the shapes 
 step while the GPU runs this one) and waiting for the GPU at every step (row `defer_stop`,
 `tokens_equal_defer_stop_off`; pass `off on`). `--fuse-kv on off` the same for Ouro's q/k/v kernel storing a
 static dense cell's keys and values itself (`GEMV_TUNING["fuse_kv"]`; row `fuse_kv`, `tokens_equal_fuse_kv_off`; pass
-`off on`).
+`off on`). `--shared-read kernel sdpa` the same for how a static RIPE / deepest-plane shared cell reads its BF16
+source in a one-token step (`StaticCodedSharedLayer.history_read`: cuDNN over the source merged with the kernel's read
+of the rest, or all in the kernel; row `shared_read`, `tokens_equal_shared_sdpa_off`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from benchmarks.common import StepClock, build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
 from hf_loopcache.cache.layers.static import StaticDenseLayer
+from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 from triton_ops import fused
 from triton_ops._dispatch import PDL, pdl_options
 from triton_ops.gemv import GEMV_TUNING
@@ -210,6 +213,7 @@ def run_one(
         "cache": cache_name,
         "mode": "peer" if peer else mode,
         "static_read": StaticDenseLayer.read_method if mode != "eager" and not peer else None,
+        "shared_read": StaticCodedSharedLayer.history_read if mode != "eager" and not peer else None,
         "fused_ops": fused_ops if not peer else None,
         "pdl": pdl,
         "fuse_silu": bool(GEMV_TUNING["fuse_silu"]) if not peer else None,
@@ -318,7 +322,9 @@ def run_one(
         if reference is not None and not peer:
             key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_rope"]),
                    bool(GEMV_TUNING["fuse_silu"]), pdl)
-            for name, on in (("defer_stop", defer_stop), ("fuse_kv", bool(GEMV_TUNING["fuse_kv"]))):
+            switches = (("defer_stop", defer_stop), ("fuse_kv", bool(GEMV_TUNING["fuse_kv"])),
+                        ("shared_sdpa", StaticCodedSharedLayer.history_read == "sdpa"))  # fmt: skip
+            for name, on in switches:
                 if not on:
                     reference[(*key, mode, f"{name}_off")] = out.cpu()
                 elif (*key, mode, f"{name}_off") in reference:
@@ -481,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Ouro's q/k/v kernel stores a static dense cell's keys and values itself (on) or not")
     parser.add_argument("--defer-stop", nargs="+", default=["on"], choices=("on", "off"),
                         help="generate reads its stop flag one step late (on) or waits for the GPU every step (off)")
+    parser.add_argument("--shared-read", nargs="+", default=[StaticCodedSharedLayer.history_read],
+                        choices=("sdpa", "kernel"),
+                        help="how a static shared cell reads a BF16 source (StaticCodedSharedLayer.history_read)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -534,17 +543,18 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer in itertools.product(
+                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared in itertools.product(
                     modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
-                    args.defer_stop
+                    args.defer_stop, args.shared_read
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    before = PDL["enabled"], dict(GEMV_TUNING)
+                    before = PDL["enabled"], dict(GEMV_TUNING), StaticCodedSharedLayer.history_read
                     PDL["enabled"] = pdl == "on"
+                    StaticCodedSharedLayer.history_read = shared
                     GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = fuse == "on", gemv == "on"
                     GEMV_TUNING["fuse_rope"], GEMV_TUNING["fuse_kv"] = fuse_rope == "on", fuse_kv == "on"
                     try:
@@ -556,6 +566,7 @@ def main(argv: list[str] | None = None) -> None:
                     finally:
                         PDL["enabled"] = before[0]
                         GEMV_TUNING.update(before[1])
+                        StaticCodedSharedLayer.history_read = before[2]
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -44,6 +44,7 @@ __all__ = [
     "causal_padding_mask",
     "dense_attention",
     "eager_attention",
+    "fixed_shape_attention_lse",
     "segmented_attention",
 ]
 
@@ -191,6 +192,28 @@ def dense_attention(
         with sdpa_kernel(_backends_without_cudnn()):
             return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling)
+
+
+def fixed_shape_attention_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, *, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cuDNN's SDPA of `query` `[B, H, q, D]` over `key` / `value` `[B, H, L, D]` with an additive `bias`
+    `[B, 1, q, L]` (-inf: not read), and its natural-log log-sum-exp `[B, H, q]` (-inf, with a zero output, for a row
+    that reads nothing), for a merge with attention over other keys (`coded_attention`'s `prior`). For a static cache's
+    storage, whose shapes and addresses do not change between calls: cuDNN builds its execution graph once per shape
+    (see `_backends_without_cudnn`), and a CUDA graph replays it. None where it cannot run (not CUDA, cuDNN's SDPA off
+    or absent, another dtype than fp16 / bf16, GQA)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+    if (
+        op is None
+        or not query.is_cuda
+        or query.dtype not in (torch.float16, torch.bfloat16)
+        or query.shape[1] != key.shape[1]
+        or not torch.backends.cuda.cudnn_sdp_enabled()
+    ):
+        return None
+    out, lse = op(query, key, value, bias, True, scale=scaling)[:2]
+    return out, lse.reshape(query.shape[:3])
 
 
 def _backends_without_cudnn() -> list[SDPBackend]:

@@ -15,7 +15,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.generation.utils import DeferredStopCheck
 
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache, _compat
-from hf_loopcache.cache.layers import StaticCodedSharedLayer
+from hf_loopcache.cache.layers import StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import loopkv_preset
 from hf_loopcache.models._common import _NonFiniteLogits
 from tests.helpers import call_kwargs, make_model, stand_in_graphs
@@ -65,7 +65,16 @@ CACHES = {
                                                   **kw),
     "deepest-static": lambda model, **kw: DeepestPlaneCache(model, static=True, max_batch_size=2, max_cache_len=40,
                                                             **kw),
+    # and LoopKV plans (coded cells: their ring of W + 2P also keeps the page the next step codes again)
+    "kivi4-share-static": lambda model, **kw: _loopkv_static(model, "kivi4-share", **kw),
+    "kivi4-static": lambda model, **kw: _loopkv_static(model, "kivi4", **kw),
 }
+
+
+def _loopkv_static(model, name, **kw):
+    """A static LoopKV cache whose small sink, window and pages (2, 4, 4) cross several boundaries in a short run."""
+    plan = loopkv_preset(model.loop_layout, name, sink=2, window=4, page_size=4, group_size=8)
+    return LoopKVCache(model, plan, tau=1.0, static=True, max_batch_size=2, max_cache_len=40, **kw)
 
 
 def _prompt(batch: int = 2, length: int = 9) -> torch.Tensor:
@@ -178,10 +187,10 @@ def test_exact_crop_is_exact_where_it_says_so(arch):
     """Wherever `exact_crop(k)` says a crop of `k` positions right after a forward is exact (`k` = 1, 2), it is: a cache
     that decoded `n + k` tokens and was cropped by `k` decodes on with the same logits, to the last bit in fp64, as
     one that decoded `n` (a left-padded row; `n` across several windows, pages and flushes). And it says so where that is what makes
-    `generate` defer its stop check: a static RIPE cache and the deepest plane without a reserve (their ring holds
-    the position), any cache within its reserve; not a growable window without one (it drops the position's planes,
-    which the sweep shows when the claim is forced), nor a coded plan without one (a step may code a page the crop
-    does not uncode)."""
+    `generate` defer its stop check: every static cache without a reserve (RIPE, the deepest plane and LoopKV plans:
+    their rings hold the position, and a coded cell's ring of `W + 2P` also the page the next step codes again from
+    it), any cache within its reserve; not a growable window without one (it drops the position's planes, or codes
+    them, which the sweep shows when the claim is forced)."""
     model = make_model(arch, **({"hidden_size": 64} if arch == "ouro" else {"n_embd": 64})).double()
     kw = call_kwargs(arch)
     g = torch.Generator().manual_seed(0)
@@ -202,17 +211,21 @@ def test_exact_crop_is_exact_where_it_says_so(arch):
                 exact = _decode_on(model, kw, make(), ids, mask, tokens, n, 0)
                 assert torch.equal(exact, _decode_on(model, kw, make(), ids, mask, tokens, n, cut)), (name, cut, n)
     assert {name for (name, cut), claim in claims.items() if claim and cut == 1} == {
-        "ripe1-static", "ripe3-static", "deepest-static", "ripe3-static-rollback1", "kivi4-share-static-rollback1",
+        "ripe1-static", "ripe3-static", "deepest-static", "ripe3-static-rollback1", "kivi4-static",
+        "kivi4-share-static", "hand-static", "kivi4-share-static-rollback1",
     }  # fmt: skip
     assert {name for (name, cut), claim in claims.items() if claim and cut == 2} == {
-        "deepest-static", "ripe3-static-rollback1",
+        "ripe3-static", "deepest-static", "ripe3-static-rollback1", "kivi4-share-static-rollback1",
     }  # fmt: skip
-    assert cells == {
+    assert cells == {  # shared cells: a cut of 1 (2 for RIPE(3)'s ring of W + 2 and LoopKV's of W + P + 1)
         ("ripe1-static", "StaticDenseLayer"): {True}, ("ripe3-static", "StaticDenseLayer"): {True},
         ("deepest-static", "StaticDenseLayer"): {True}, ("ripe3-static-rollback1", "StaticDenseLayer"): {True},
-        ("kivi4-share-static", "StaticCodedLayer"): {False}, ("hand-static", "StaticCodedLayer"): {False},
+        ("kivi4-share-static", "StaticCodedLayer"): {True}, ("hand-static", "StaticCodedLayer"): {True},
         ("kivi4-share-static-rollback1", "StaticCodedLayer"): {True},
     }  # fmt: skip
+    for name, make in _exact_crop_cases(model).items():  # a coded cell's ring of W + 2P keeps one position
+        coded = [cell for cell in make().cells if isinstance(cell, StaticCodedLayer)]
+        assert all(cell.exact_crop(1) and cell.exact_crop(2) == ("rollback1" in name) for cell in coded), name
 
 
 def test_which_caches_defer():
@@ -249,17 +262,26 @@ def test_non_finite_check_judges_the_kept_steps_only():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "static,kind", [(False, "full"), (True, "full"), (True, "ripe3")], ids=["growable", "captured", "captured-ripe3"]
+    "static,kind",
+    [(False, "full"), (True, "full"), (True, "ripe3"), (True, "kivi4-share")],
+    ids=["growable", "captured", "captured-ripe3", "captured-kivi4-share"],
 )
 def test_deferred_on_cuda_equals_sequential(arch, static, kind):
     """On CUDA the deferred check runs by itself (no stand-ins; a static cache replays its captured step): an
     end-of-sequence stop runs one step more, and the tokens and the cache left behind equal sequential decoding's
-    (a static RIPE cache without a rollback reserve too: its ring takes the step back)."""
-    model = make_model(arch).to("cuda", torch.float32)
-    ids = _prompt().cuda()
-    kw = dict(static=True, max_batch_size=2, max_cache_len=40) if static else {}
+    (static RIPE and LoopKV caches without a rollback reserve too: their rings take the step back; LoopKV's at head
+    dim 128, which the coded-attention kernel reads, with pages of 16 and a prompt after which the step past a stop at
+    the fourth token codes a page)."""
+    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
+        "n_embd": 256, "n_heads": 2}  # fmt: skip
+    model = make_model(arch, **(wide if kind == "kivi4-share" else {})).to("cuda", torch.float32)
+    ids = _prompt(length=33 if kind == "kivi4-share" else 9).cuda()
+    kw = dict(static=True, max_batch_size=2, max_cache_len=64) if static else {}
 
     def make():
+        if kind == "kivi4-share":
+            plan = loopkv_preset(model.loop_layout, kind, sink=2, window=4, page_size=16, group_size=32)
+            return LoopKVCache(model, plan, tau=14.0, **kw)
         return FullLoopCache(model, **kw) if kind == "full" else RIPECache(model, window=3, **kw)
 
     eos = _eos_for(model, arch, ids, make())

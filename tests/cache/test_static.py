@@ -354,3 +354,60 @@ def test_static_cache_builds_where_transformers_has_read_only_max_properties(mon
     cache = CACHES[name](model, static=True, max_batch_size=2, max_cache_len=24)
     assert (cache.max_batch_size, cache.max_cache_len) == (2, 24)
     assert torch.equal(_generate(model, "ouro", ids, mask, cache), _generate(model, "ouro", ids, mask, CACHES[name](model)))
+
+
+def _teacher_forced_logits(model, arch, cache, ids, mask, tokens):
+    """Logits of the prefill and of one-token steps that feed `tokens` (the same inputs whatever the cache reads)."""
+    kw = call_kwargs(arch)
+    with torch.no_grad():
+        out = [model(input_ids=ids, attention_mask=mask, cache=cache, **kw).logits[:, -1:]]
+        for i in range(tokens.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out.append(model(input_ids=tokens[:, i : i + 1], attention_mask=mask, cache=cache, **kw).logits)
+    return torch.cat(out, 1).float()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ripe3", "deepest"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_cells_read_a_bf16_source_through_cudnn_cuda(arch, kind, monkeypatch):
+    """On CUDA in bf16, a static RIPE / deepest-plane cache's shared cells read their source's history with cuDNN
+    (`StaticCodedSharedLayer.history_read = "sdpa"`: `fixed_shape_attention_lse`, merged into the kernel's read of
+    the sink, ring and new token by `coded_attention`'s `prior`): against the same cache in fp32 (the kernel path),
+    its logits err at most twice as much as the all-kernel path's in bf16, over a left-padded batch and a window
+    that moves; and `generate`'s captured steps take that path and give its eager tokens."""
+    from hf_loopcache.cache.layers import StaticCodedSharedLayer, static_coded
+
+    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
+        "n_embd": 256, "n_heads": 2}  # fmt: skip
+    model = make_model(arch, **wide).cuda()
+    ids, mask = (t.cuda() for t in _prompt(2, True, length=21))
+    tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(static=True, max_batch_size=2, max_cache_len=64)
+
+    def make():
+        return RIPECache(model, window=3, **kw) if kind == "ripe3" else DeepestPlaneCache(model, **kw)
+
+    calls, wrapped = [], static_coded.fixed_shape_attention_lse
+
+    def counted(*args, **kwargs):  # the cuDNN reads that ran (None: not taken)
+        got = wrapped(*args, **kwargs)
+        calls.extend([] if got is None else [1])
+        return got
+
+    monkeypatch.setattr(static_coded, "fixed_shape_attention_lse", counted)
+    exact = _teacher_forced_logits(model.float(), arch, make(), ids, mask, tokens)
+    assert not calls  # fp32: the kernel path
+    logits = {}
+    for read in ("kernel", "sdpa"):
+        monkeypatch.setattr(StaticCodedSharedLayer, "history_read", read)
+        logits[read] = _teacher_forced_logits(model.bfloat16(), arch, make(), ids, mask, tokens)
+    assert calls
+    err = {read: (got - exact).abs().max().item() for read, got in logits.items()}
+    assert err["sdpa"] <= 2 * err["kernel"] + 1e-3, err
+    calls.clear()
+    eager = _generate(model, arch, ids, mask, make(), new=12, disable_compile=True)
+    cache = make()
+    captured = _generate(model, arch, ids, mask, cache, new=12)
+    assert cache.captured_steps() and calls
+    assert torch.equal(captured, eager)

@@ -243,3 +243,78 @@ def test_static_tail_chunks_follow_the_live_pages(case, splits, launches):
     rowx, *_ = launches[-1]  # v7: a history program per (split, row)
     n_hist = splits * (case.Hq // case.Hkv * case.Q if rowx else 1)
     assert ring >= 75 and launches[-1][3] == n_hist + -(-ring // 8), (ring, launches)
+
+
+PRIOR_CASES = [
+    Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=70, Wn=6, Q=1, fmt=0, vprec=False, pad=True),  # RIPE: MHA, a sink
+    Case(B=2, Hq=4, Hkv=2, D=32, S=0, hist=40, Wn=9, Q=1, fmt=0, vprec=False, pad=True),  # no sink, GQA
+    Case(B=1, Hq=2, Hkv=2, D=96, S=2, hist=33, Wn=3, Q=1, fmt=0, vprec=False),  # Huginn-0125's head dim
+]
+
+
+def _history_part(data, view, dtype):
+    """Attention of the queries over the history positions `[S, history_end)` alone (what cuDNN computes for a
+    static shared cell over a BF16 source), as `(out, natural-log lse)`: the view's history keys, padding hidden."""
+    q = data["q"].to(dtype)
+    b, hq, _, d = q.shape
+    hk, hv = view.history_key.to(dtype), view.history_value.to(dtype)
+    g = hq // hk.shape[1]
+    hk, hv = hk.repeat_interleave(g, 1), hv.repeat_interleave(g, 1)
+    pos = view.history_start + torch.arange(hk.shape[2])
+    seen = pos[None, :] < view.history_end[:, :1].cpu()
+    if view.key_valid is not None:
+        seen = seen & view.key_valid.cpu()[:, pos.clamp(max=view.key_valid.shape[1] - 1)]
+    s = (q @ hk.transpose(-1, -2) * data["scaling"]).masked_fill(~seen[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1).nan_to_num(0.0) @ hv
+    return out, lse
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in PRIOR_CASES])
+def test_prior_merges_history_read_elsewhere(case):
+    """`prior`: the history read by someone else (cuDNN over a RIPE source's plane) and the rest of the view by the op
+    give, merged by log-sum-exp, what the op gives over the whole view (the reference in fp64; the kernel in fp32 on
+    CUDA or under `TRITON_INTERPRET=1`, within twice the fp32 reference's error); and a row whose prior read
+    nothing (lse -inf, its out NaN) takes none of it."""
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    data = _build(case, torch.float32)
+    full = _static_view(data, torch.float64)
+    ref, ref_lse, _ = _ref(data, full, torch.float64)
+    rest = CellView(**{**{f: getattr(full, f) for f in full.__dataclass_fields__}, "history_key": None,
+                       "history_value": None})  # fmt: skip
+    out, lse = reference_coded_attention(
+        data["q"].double(), rest, scaling=data["scaling"], prior=_history_part(data, full, torch.float64)
+    )
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    # nothing read elsewhere for row 0: its prior's out is NaN, its lse -inf
+    p_out, p_lse = _history_part(data, full, torch.float64)
+    p_out[0], p_lse[0] = float("nan"), float("-inf")
+    alone = reference_coded_attention(data["q"].double(), rest, scaling=data["scaling"])[0]
+    merged = reference_coded_attention(data["q"].double(), rest, scaling=data["scaling"], prior=(p_out, p_lse))[0]
+    torch.testing.assert_close(merged[0], alone[0], rtol=0, atol=1e-12)
+    if not (torch.cuda.is_available() or INTERPRET):
+        return
+    view = _static_view(data, torch.float32, device=DEVICE)
+    rest = CellView(**{**{f: getattr(view, f) for f in view.__dataclass_fields__}, "history_key": None,
+                       "history_value": None})  # fmt: skip
+    p_out, p_lse = (t.to(DEVICE) for t in _history_part(data, view, torch.float32))
+    q, kw = data["q"].to(DEVICE), dict(scaling=data["scaling"], v_precision_tau=None)
+    out, lse = _coded_attention_fwd(q, rest, prior=(p_out, p_lse), **kw)  # the kernel (its merge takes the prior)
+    _assert_matches(data, out, lse)
+    p_out[0], p_lse[0] = float("nan"), float("-inf")
+    merged = _coded_attention_fwd(q, rest, prior=(p_out, p_lse), **kw)[0]
+    torch.testing.assert_close(merged[0], _coded_attention_fwd(q, rest, **kw)[0][0], rtol=0, atol=1e-6)
+
+
+def test_prior_is_validated():
+    from triton_ops.coded_attention import coded_attention
+
+    data = _build(PRIOR_CASES[0], torch.float32)
+    view = _static_view(data, torch.float32)
+    q = data["q"]
+    with pytest.raises(ValueError, match=r"`prior` must be None or a tuple \(out \[B, H_q, q, D\]"):
+        coded_attention(q, view, scaling=data["scaling"], prior=(q, q))
+    with pytest.raises(ValueError, match="`prior` must be None or a tuple .*got Tensor$"):
+        coded_attention(q, view, scaling=data["scaling"], prior=q)

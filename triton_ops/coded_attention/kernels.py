@@ -1964,6 +1964,15 @@ def _coded_attention_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    px_o_ptr=None,
+    px_lse_ptr=None,
+    stride_xob=0,
+    stride_xoh=0,
+    stride_xoq=0,
+    stride_xlb=0,
+    stride_xlh=0,
+    stride_xlq=0,
+    PRIOR: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
         tl.extra.cuda.gdc_wait()
@@ -1985,6 +1994,13 @@ def _coded_attention_merge_kernel(
     b_mx = tl.max(b_max, axis=0)
     b_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if PRIOR:  # one more part computed elsewhere (`prior`: out and natural-log lse of keys the view does not hold)
+        x_lse = tl.load(px_lse_ptr + i_b * stride_xlb + i_hq * stride_xlh + i_q * stride_xlq).to(tl.float32) / _LN2
+        b_mx = tl.maximum(b_mx, x_lse)  # the view's own part always reads the new token: finite
+        x_w = tl.exp2(x_lse - b_mx)  # 0 for a prior that read nothing (lse -inf)
+        x_o = tl.load(px_o_ptr + i_b * stride_xob + i_hq * stride_xoh + i_q * stride_xoq + o_d, mask=o_d < DH, other=0.0)
+        b_acc += tl.where(x_w > 0, x_w * x_o.to(tl.float32), 0.0)
+        b_sum += tl.where(tl.arange(0, BLOCK_S) == 0, x_w, 0.0)
     for s0 in range(0, NS + 1, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < NS + 1

@@ -140,6 +140,7 @@ def _coded_attention_fwd(
     v_precision_stats: Tensor | None = None,
     num_splits: int | None = None,
     tuning: dict | None = None,
+    prior: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the split-history kernel (after the page-maxima pass when V precision needs it across splits) and the
     merge; returns `(out [B, H_q, Q, D], lse [B, H_q, Q] fp32)`. `num_splits` forces the number of history splits
@@ -431,9 +432,44 @@ def _coded_attention_fwd(
         BLOCK_S=min(128, next_pow2(ns + nt)),
         BLOCK_D=block_d,
         **pdl,
+        **_prior_args(prior),
     )
     if count:
         v_precision_stats += stats_part.sum(0).to(v_precision_stats.dtype)
+    return out, lse
+
+
+def _prior_args(prior: tuple[Tensor, Tensor] | None) -> dict:
+    """The merge kernel's arguments for a `prior` part (`out` `[B, H_q, q, D]`, `lse` `[B, H_q, q]`, natural log)."""
+    if prior is None:
+        return {}
+    out, lse = prior
+    return dict(
+        px_o_ptr=out, px_lse_ptr=lse, **dict(zip(("stride_xob", "stride_xoh", "stride_xoq"), out.stride()[:3])),
+        **dict(zip(("stride_xlb", "stride_xlh", "stride_xlq"), lse.stride())), PRIOR=True,
+    )  # fmt: skip
+
+
+def _check_prior(prior: object, query: Tensor) -> tuple[Tensor, Tensor] | None:
+    if prior is None:
+        return None
+    shape = tuple(query.shape)
+    if (
+        not isinstance(prior, tuple)
+        or len(prior) != 2
+        or not all(isinstance(t, Tensor) for t in prior)
+        or tuple(prior[0].shape) != shape
+        or tuple(prior[1].shape) != shape[:3]
+    ):
+        raise ValueError(
+            f"`prior` must be None or a tuple (out [B, H_q, q, D] = {list(shape)}, lse [B, H_q, q] = {list(shape[:3])}), "
+            f"got {[tuple(getattr(t, 'shape', ())) for t in prior] if isinstance(prior, tuple) else type(prior).__name__}"
+        )
+    out, lse = prior
+    if out.device != query.device or lse.device != query.device:
+        raise ValueError(f"`prior` must be on the query's device ({query.device}), got {out.device} / {lse.device}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"`prior`'s out must have stride 1 in its last dim, got strides {out.stride()}")
     return out, lse
 
 
@@ -466,6 +502,7 @@ def coded_attention(
     scaling: float,
     v_precision_tau: float | None = None,
     v_precision_stats: Tensor | None = None,
+    prior: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of the view's new tokens over what one cache cell stores, reading history codes as codes.
 
@@ -493,6 +530,11 @@ def coded_attention(
             `score < running max - tau * ln 2`; cold tokens read only the `hi` plane). None reads both planes.
         v_precision_stats (`torch.Tensor` of shape `[2]`, *optional*): `[cold reads, INT4 history reads]`,
             accumulated in place on the device.
+        prior (`tuple` of `torch.Tensor`, *optional*): `(out [B, H_q, q, D], lse [B, H_q, q])`, attention of the same
+            queries over keys the view does not hold (e.g. cuDNN's SDPA over a source cell's plane up to
+            `history_end`, with the view's history left out), `lse` in natural log (-inf: no key); merged in with the
+            view's own parts by log-sum-exp, so the result is attention over both. Then `history_end` may exceed
+            what the view's history holds (those positions are the prior's).
 
     Returns:
         `(out, lse)`: `out` `[B, H_q, q, D]` in the query's dtype, `lse` `[B, H_q, q]` fp32 natural-log sum of
@@ -504,13 +546,15 @@ def coded_attention(
     _check_query(query, view)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not math.isfinite(scaling):
         raise ValueError(f"`scaling` must be a finite float, got {scaling!r}")
+    prior = _check_prior(prior, query)
     reason = _kernel_supports(query, view, v_precision_tau)
     if not use_triton("coded_attention", query) or reason is not None:
         if reason is not None and query.is_cuda:
             announce_once(f"coded_attention: the Triton kernel does not take {reason}; using the reference")
         return reference_coded_attention(
-            query, view, scaling=scaling, v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
-        )
+            query, view, scaling=scaling, v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats,
+            prior=prior,
+        )  # fmt: skip
     if v_precision_tau is not None and (
         isinstance(v_precision_tau, bool) or not isinstance(v_precision_tau, (int, float)) or v_precision_tau < 0
     ):
@@ -527,5 +571,6 @@ def coded_attention(
             raise ValueError(f"`v_precision_stats` is on {v_precision_stats.device} but `query` is on {query.device}")
     with launch_device(query):
         return _coded_attention_fwd(
-            query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats
-        )
+            query, view, scaling=float(scaling), v_precision_tau=v_precision_tau, v_precision_stats=v_precision_stats,
+            prior=prior,
+        )  # fmt: skip

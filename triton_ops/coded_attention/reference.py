@@ -51,13 +51,14 @@ def _check_query(query: object, view: CellView) -> Tensor:
     return query
 
 
-def _check_bounds(view: CellView) -> None:
+def _check_bounds(view: CellView, outside: bool = False) -> None:
     """`history_end` must keep every position read exactly once (see `CellView`); one host sync (none with
-    device-side lengths: those views are not checked)."""
+    device-side lengths: those views are not checked). `outside`: the history below it is read elsewhere (`prior`),
+    so it may reach past the view's history."""
     if view.query_length == 0 or view.device_lengths:
         return
     lo = max(view.history_start, view.window_start) if view.length > view.history_start else view.length
-    hi = min(view.history_start + view.history_length, view.length)
+    hi = view.length if outside else min(view.history_start + view.history_length, view.length)
     hi = max(hi, lo)
     he = view.history_end
     got_lo, got_hi = int(he.min()), int(he.max())
@@ -115,6 +116,7 @@ def reference_coded_attention(
     v_precision_tau: float | None = None,
     v_precision_stats: Tensor | None = None,
     split_pages: int = DEFAULT_SPLIT_PAGES,
+    prior: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of the view's new tokens over what the cell stores, reading history codes as codes.
 
@@ -132,6 +134,8 @@ def reference_coded_attention(
             precision on INT4 history.
         split_pages (`int`, *optional*, defaults to 32): history pages decoded at a time (bounds the fallback's
             memory; the result does not depend on it beyond fp32 rounding).
+        prior (`tuple` of `torch.Tensor`, *optional*): `(out [B, H_q, q, D], lse [B, H_q, q])` over keys the view
+            does not hold, merged in as one more part (`coded_attention`).
 
     Returns:
         `(out, lse)`: `out` `[B, H_q, q, D]` in the query's dtype; `lse` `[B, H_q, q]` fp32 (fp64 for fp64 inputs),
@@ -150,7 +154,7 @@ def reference_coded_attention(
         raise ValueError(
             f"`v_precision_stats` must be a tensor of shape [2] (cold, history), got {v_precision_stats!r}"
         )
-    _check_bounds(view)
+    _check_bounds(view, outside=prior is not None)
 
     b, hq, q_len, d = query.shape
     hkv = view.num_kv_heads
@@ -272,6 +276,11 @@ def reference_coded_attention(
     if m.ndim == 3:
         m = m[:, None, None]
     parts.add(masked(_scores(qf, view.new_key.to(acc), scaling), m), view.new_value.to(acc))
+    if prior is not None:  # a part with m = lse, sum exp(s - m) = 1 and acc = out
+        p_out, p_lse = (t.to(device=device, dtype=acc).reshape(b, hkv, groups, q_len, -1) for t in prior)
+        p_lse = p_lse[..., 0]
+        p_out = torch.where(torch.isfinite(p_lse)[..., None], p_out, torch.zeros_like(p_out))
+        parts.parts.append((p_lse, torch.ones_like(p_lse), p_out))
 
     out, lse = parts.merge()  # [B, Hkv, G, q, D], [B, Hkv, G, q]
     return out.reshape(b, hq, q_len, d).to(query.dtype), lse.reshape(b, hq, q_len)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_loopcache.attention import dense_attention
+from hf_loopcache.attention import dense_attention, fixed_shape_attention_lse
 from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, effective_storage, ring_capacity
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
@@ -78,14 +78,16 @@ def flush_pages(page_size: int, rollback: int) -> int:
 
 
 def coded_ring_capacity(window: int, page_size: int, rollback: int) -> int:
-    """Ring slots of a static coded cell. Without a rollback reserve `W + 2P - 1`: a read at `t` needs `[H(t), t)`
-    (up to `W + P - 1` positions) and the flush of the step the page below `H(t)` (`P` more). With a reserve `R`
+    """Ring slots of a static coded cell. Without a rollback reserve `W + 2P`: a read at `t` needs `[H(t), t)` (up to
+    `W + P - 1` positions), the flush of the step the page below `H(t)` (`P` more), and one slot more keeps that page
+    after a crop of the position just written (the step `generate` takes back after a deferred stop: `exact_crop`;
+    one position in a ring of `W + 2P`, e.g. 320 slots for LoopKV's 256 and 32). With a reserve `R`
     (self-speculation), rows may hold holes: a row's `W + P - 1` real positions before `t` span up to
     `(W + P - 1)(R + 1) + R` storage positions, the `K = flush_pages(P, R)` pages coded per forward end within a page
     of the largest boundary, and a crop of up to `R` positions must find all of it still held:
     `(W + P - 1)(R + 1) + 2R + (K + 1)P - 1`."""
     if rollback == 0:
-        return window + 2 * page_size - 1
+        return window + 2 * page_size
     k = flush_pages(page_size, rollback)
     return (window + page_size - 1) * (rollback + 1) + 2 * rollback + (k + 1) * page_size - 1
 
@@ -244,8 +246,9 @@ class _StaticWindowed(_StaticStorage):
         below what the ring no longer holds (`_ring_low` of the `held` positions)."""
         return torch.maximum(torch.minimum(self._row_ends(read, positions), limit), self._ring_low(held))
 
-    def _view(self, key, value, read, positions, history_end: torch.Tensor) -> CellView:
-        hk, hv = self._history()
+    def _view(self, key, value, read, positions, history_end: torch.Tensor, history: bool = True) -> CellView:
+        """The cell as `coded_attention` reads it; `history=False` leaves the history out (read elsewhere: `prior`)."""
+        hk, hv = self._history() if history else (None, None)
         rows = self.rows
         sk = self.sink_k[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
         sv = self.sink_v[:rows, :, : self.sink] if self.sink else None  # type: ignore[index]
@@ -354,10 +357,27 @@ class _StaticWindowed(_StaticStorage):
             self.keep_start = self.sink
             self._set_floor(self.sink)
             return
-        need = window_boundary(length, sink=self.sink, window=self.window, page_size=self.page) - self.page
+        need = window_boundary(length, sink=self.sink, window=self.window, page_size=self.page) - self._flush_reach
         if length < self.keep_start or not self._ring_holds(max(self.sink, need)):
             self._deep_truncate(length)
         self.length = length
+
+    _flush_reach = 0
+    """Positions below the next read's boundary `H` that the next forward takes from the ring besides its read: none
+    for a shared cell (its history is its source's), the page a coded cell codes from it (`P`)."""
+
+    def exact_crop(self, positions: int) -> bool:
+        """Within the rollback reserve, as every windowed cell; past it, where `truncate` keeps the ring: a cut of at
+        most `W` positions (the window's start stays below the new length) and a ring that still holds, after it, all
+        that the next forward reads or codes from it: `[H(t) - F, t)` with `F = _flush_reach`, up to `W + P - 1 + F`
+        positions before `t`, so `C >= positions + W + P - 1 + F`. A coded cell's ring of `W + 2P` has that for one
+        position (`coded_ring_capacity`; the pages the cut step coded are those the next step codes, from the same
+        positions), RIPE's shared ring of `W + 2` (pages of one position, `ring_capacity`) and LoopKV's of `W + P + 1`
+        for two."""
+        if positions <= self.rollback:
+            return True
+        reach = self.window + self.page - 1 + self._flush_reach
+        return positions <= self.window and self.capacity >= positions + reach
 
     def _served(self, length: int) -> int:
         """The history boundary at or below `length` that the history can serve (a page boundary for codes)."""
@@ -459,6 +479,10 @@ class StaticCodedLayer(_StaticWindowed):
     @property
     def option(self) -> str:
         return f"int{self.nbits}"
+
+    @property
+    def _flush_reach(self) -> int:
+        return self.page
 
     def _capacity(self, rollback: int) -> int:
         return coded_ring_capacity(self.window, self.page, rollback)
@@ -808,6 +832,11 @@ class StaticCodedSharedLayer(_StaticWindowed):
 
     option = "share"
 
+    #: how a one-token step over a BF16 source (RIPE, the deepest plane) reads the history: `"sdpa"` (cuDNN's SDPA over
+    #: the source's storage to each row's history end, merged with the kernel's read of the sink, ring and new token:
+    #: `coded_attention`'s `prior`; the kernel where cuDNN cannot run it) or `"kernel"` (all of it in the kernel)
+    history_read = "sdpa"
+
     def __init__(
         self,
         source: StaticCodedLayer | StaticDenseLayer,
@@ -846,19 +875,10 @@ class StaticCodedSharedLayer(_StaticWindowed):
         return ring_capacity(self.window, self.page, rollback)
 
     def exact_crop(self, positions: int) -> bool:
-        """Within the rollback reserve, as every windowed cell; past it, also where the cut leaves the ring's reads
-        untouched. The cell codes nothing of its own (its history is the source's storage, read in place; whether the
-        source's cut is exact is the source cell's answer), so the cut is exact when `truncate` keeps the ring (a cut
-        of at most `W` positions and `C >= positions + W + 2P - 1` ring slots: the page below the next read's boundary
-        is still held after the cut, `truncate`'s test), or when the ring serves no history at all (`W = 0`, `P = 1`:
-        the deepest plane, every earlier position read from the source). RIPE(W) with pages of one position and no
-        reserve has `C = W + 2`: a cut of one position (the step `generate` takes back after a deferred stop) is
-        exact, two are not; LoopKV's pages of `P > 1` need the reserve."""
-        if positions <= self.rollback:
-            return True
-        if self.window == 0 and self.page == 1:
-            return True
-        return positions <= self.window and self.capacity >= positions + self.window + 2 * self.page - 1
+        """`_StaticWindowed.exact_crop` (its history is the source's storage, read in place: whether the source's cut is
+        exact is the source cell's answer), and always when the ring serves no history (`W = 0`, `P = 1`: the deepest
+        plane, every earlier position read from the source)."""
+        return (self.window == 0 and self.page == 1) or super().exact_crop(positions)
 
     def attend(self, query, key, value, read):
         if not self.is_initialized or self.length == 0:
@@ -874,6 +894,38 @@ class StaticCodedSharedLayer(_StaticWindowed):
         out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
+
+    def _read(self, query, key, value, read, positions, history_end):
+        """A one-token step over a BF16 source: cuDNN over the source's storage to each row's history end (one
+        fixed-shape call, as a dense cell's own read: `fixed_shape_attention_lse`) and the kernel over the rest of
+        the view, merged by log-sum-exp. H200, Ouro-1.4B's shape, 8K: cuDNN reads a cell's 8K positions in 20 / 123 us
+        at batch 1 / 8, the kernel's BF16 history path in 32 / 172 (README, session 25). Otherwise the kernel."""
+        src = self.source
+        if self.history_read == "sdpa" and isinstance(src, StaticDenseLayer) and query.shape[2] == 1 and query.is_cuda:
+            k, v = src._views()
+            prior = fixed_shape_attention_lse(query, k, v, self._history_bias(read, positions, history_end, k),
+                                              scaling=read.scaling)  # fmt: skip
+            if prior is not None:
+                view = self._view(key, value, read, positions, history_end, history=False)
+                return coded_attention(query, view, scaling=read.scaling, prior=prior)[0]
+        return super()._read(query, key, value, read, positions, history_end)
+
+    def _history_bias(self, read: ReadState, positions: torch.Tensor, history_end: torch.Tensor, k: torch.Tensor):
+        """`[B, 1, 1, L]` additive bias over the source's `L` stored positions: 0 where a row reads the position from
+        the history (`[S, history_end)`, a real token), -inf elsewhere; the same for every shared cell of the forward
+        with this geometry (`read.memo`)."""
+        key = ("static-shared-history-bias", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
+               self._positions_tag(read, positions), read.complete, self.floor, k.shape[2], k.dtype)  # fmt: skip
+        bias = read.memo.get(key)
+        if bias is None:
+            j = torch.arange(k.shape[2], device=k.device)
+            seen = (j >= self.sink) & (j < history_end[:, :1])  # [B, L]
+            if read.static_valid is not None:
+                seen = seen & read.static_valid[: self.rows, : k.shape[2]]
+            bias = read.memo[key] = torch.zeros(seen.shape, dtype=k.dtype, device=k.device).masked_fill(
+                ~seen, float("-inf")
+            )[:, None, None]
+        return bias
 
     def _hist(self, read: ReadState, positions: torch.Tensor, coded: bool) -> torch.Tensor:
         """`_history_end` of the forward's queries (before `floor`), the same for every shared cell of the forward with
