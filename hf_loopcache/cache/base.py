@@ -551,11 +551,11 @@ class LoopCache(Cache):
 
     def exact_crop(self, positions: int) -> bool:
         """Whether `crop(-positions)` right after a forward gives back exactly the state before the last `positions`
-        positions: always for cells without a window, within `max_rollback` for windowed and coded cells (a cut past
-        it restores a page from its codes), and for a static cache's shared cells over a BF16 source also where their
-        ring still holds what the next read needs (`StaticCodedSharedLayer.exact_crop`: a static RIPE cache or deepest
-        plane takes one position back exactly without a reserve). transformers' deferred stop check asks this
-        (`_compat.deferred_stop_check`)."""
+        positions: always for cells without a window, within `max_rollback` for windowed and coded cells (a growable
+        cell's cut past it restores a page from its codes), and for a static cache's windowed cells also where their
+        ring still holds what the next forward reads or codes from it (`_StaticWindowed.exact_crop`: every static
+        preset and plan takes one position back exactly without a reserve). transformers' deferred stop check asks
+        this (`_compat.deferred_stop_check`)."""
         return all(layer.exact_crop(positions) for layer in self.cells)
 
     def rollback(self, length: int) -> None:
