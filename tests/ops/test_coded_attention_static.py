@@ -7,6 +7,7 @@ the same codes, with the same launch grid whatever the length.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -281,8 +282,7 @@ def test_prior_merges_history_read_elsewhere(case):
     data = _build(case, torch.float32)
     full = _static_view(data, torch.float64)
     ref, ref_lse, _ = _ref(data, full, torch.float64)
-    rest = CellView(**{**{f: getattr(full, f) for f in full.__dataclass_fields__}, "history_key": None,
-                       "history_value": None})  # fmt: skip
+    rest = dataclasses.replace(full, history_key=None, history_value=None)
     out, lse = reference_coded_attention(
         data["q"].double(), rest, scaling=data["scaling"], prior=_history_part(data, full, torch.float64)
     )
@@ -297,8 +297,7 @@ def test_prior_merges_history_read_elsewhere(case):
     if not (torch.cuda.is_available() or INTERPRET):
         return
     view = _static_view(data, torch.float32, device=DEVICE)
-    rest = CellView(**{**{f: getattr(view, f) for f in view.__dataclass_fields__}, "history_key": None,
-                       "history_value": None})  # fmt: skip
+    rest = dataclasses.replace(view, history_key=None, history_value=None)
     p_out, p_lse = (t.to(DEVICE) for t in _history_part(data, view, torch.float32))
     q, kw = data["q"].to(DEVICE), dict(scaling=data["scaling"], v_precision_tau=None)
     out, lse = _coded_attention_fwd(q, rest, prior=(p_out, p_lse), **kw)  # the kernel (its merge takes the prior)

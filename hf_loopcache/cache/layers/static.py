@@ -73,6 +73,11 @@ def static_mask(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return ((causal[None] & valid[:, None, :]) | own[None])[:, None]
 
 
+def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility `mask` (True: read) as SDPA's additive bias in `dtype`: 0 where read, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 class _StaticStorage(LoopLayerBase):
     """What both static cells share: preallocated `k` / `v` for `max_rows` rows, rows changed in place, and the cache
     length transformers' mask helpers see (the static storage's, not the live length)."""
@@ -276,9 +281,7 @@ class StaticDenseLayer(_StaticStorage):
             key = ("static-dense-bias", query.dtype)
             bias = read.memo.get(key)
             if bias is None:
-                bias = read.memo[key] = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
-                    ~mask, float("-inf")
-                )
+                bias = read.memo[key] = additive_bias(mask, query.dtype)
             mask = bias
         # every backend, cuDNN included: with the storage's fixed shape it builds its execution graph once (H200, 8K,
         # one query per row: cuDNN 56 us per cell at batch 1, memory-efficient attention 373 us)

@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_loopcache.attention import dense_attention, fixed_shape_attention_lse
-from hf_loopcache.cache.layers.static import StaticDenseLayer, _StaticStorage, effective_storage, ring_capacity
+from hf_loopcache.cache.layers.static import (
+    StaticDenseLayer,
+    _StaticStorage,
+    additive_bias,
+    effective_storage,
+    ring_capacity,
+)
 from hf_loopcache.cache.plan import window_boundary
 from hf_loopcache.cache.storage import page_floor, quantize_pages
 from triton_ops import fused
@@ -914,26 +920,27 @@ class StaticCodedSharedLayer(_StaticWindowed):
         """`[B, 1, 1, L]` additive bias over the source's `L` stored positions: 0 where a row reads the position from
         the history (`[S, history_end)`, a real token), -inf elsewhere; the same for every shared cell of the forward
         with this geometry (`read.memo`)."""
-        key = ("static-shared-history-bias", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
-               self._positions_tag(read, positions), read.complete, self.floor, k.shape[2], k.dtype)  # fmt: skip
+        key = ("static-shared-history-bias", self._hist_key(read, positions, False), self.floor, k.shape[2], k.dtype)
         bias = read.memo.get(key)
         if bias is None:
             j = torch.arange(k.shape[2], device=k.device)
             seen = (j >= self.sink) & (j < history_end[:, :1])  # [B, L]
             if read.static_valid is not None:
                 seen = seen & read.static_valid[: self.rows, : k.shape[2]]
-            bias = read.memo[key] = torch.zeros(seen.shape, dtype=k.dtype, device=k.device).masked_fill(
-                ~seen, float("-inf")
-            )[:, None, None]
+            bias = read.memo[key] = additive_bias(seen, k.dtype)[:, None, None]
         return bias
+
+    def _hist_key(self, read: ReadState, positions: torch.Tensor, coded: bool) -> tuple:
+        """`read.memo`'s key for `_hist`: what the history ends of the forward's queries depend on."""
+        return ("static-shared-hist", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
+                self._positions_tag(read, positions), read.complete, coded)  # fmt: skip
 
     def _hist(self, read: ReadState, positions: torch.Tensor, coded: bool) -> torch.Tensor:
         """`_history_end` of the forward's queries (before `floor`), the same for every shared cell of the forward with
         this sink, window, page, ring and kind of source (`read.memo`). The history can serve what the source holds,
         on the device: all `length` positions in a complete forward (it is written later in it), its own in a draft
         (the cache's final-loop length, so a captured draft reads no host length); page aligned for codes."""
-        key = ("static-shared-hist", self.sink, self.window, self.page, self.capacity, self.rollback, self.rows,
-               self._positions_tag(read, positions), read.complete, coded)  # fmt: skip
+        key = self._hist_key(read, positions, coded)
         hist = read.memo.get(key)
         if hist is None:
             if read.complete:
