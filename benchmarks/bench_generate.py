@@ -40,7 +40,10 @@ step while the GPU runs this one) and waiting for the GPU at every step (row `de
 static dense cell's keys and values itself (`GEMV_TUNING["fuse_kv"]`; row `fuse_kv`, `tokens_equal_fuse_kv_off`; pass
 `off on`). `--shared-read kernel sdpa` the same for how a static RIPE / deepest-plane shared cell reads its BF16
 source in a one-token step (`StaticCodedSharedLayer.history_read`: cuDNN over the source merged with the kernel's read
-of the rest, or all in the kernel; row `shared_read`, `tokens_equal_shared_sdpa_off`).
+of the rest, or all in the kernel; row `shared_read`, `tokens_equal_shared_sdpa_off`). `--one-launch on off` the same
+for `coded_attention`'s one-launch read of a view with no history to split (`TAIL_TUNING["final_slots"]`: RIPE's and
+the deepest plane's shared cells in a one-token step, whose history cuDNN reads; row `one_launch`,
+`tokens_equal_one_launch_off`; pass `off on`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from hf_loopcache.cache.layers.static import StaticDenseLayer
 from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 from triton_ops import fused
 from triton_ops._dispatch import PDL, pdl_options
+from triton_ops.coded_attention.ops import TAIL_TUNING
 from triton_ops.gemv import GEMV_TUNING
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
@@ -221,6 +225,7 @@ def run_one(
         "gemv": bool(GEMV_TUNING["enabled"]) if not peer else None,
         "defer_stop": defer_stop if not peer else None,
         "fuse_kv": bool(GEMV_TUNING["fuse_kv"]) if not peer else None,
+        "one_launch": bool(TAIL_TUNING["final_slots"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -323,7 +328,8 @@ def run_one(
             key = (shape, cache_name, batch, context, new_tokens, fused_ops, bool(GEMV_TUNING["fuse_rope"]),
                    bool(GEMV_TUNING["fuse_silu"]), pdl)
             switches = (("defer_stop", defer_stop), ("fuse_kv", bool(GEMV_TUNING["fuse_kv"])),
-                        ("shared_sdpa", StaticCodedSharedLayer.history_read == "sdpa"))  # fmt: skip
+                        ("shared_sdpa", StaticCodedSharedLayer.history_read == "sdpa"),
+                        ("one_launch", bool(TAIL_TUNING["final_slots"])))  # fmt: skip
             for name, on in switches:
                 if not on:
                     reference[(*key, mode, f"{name}_off")] = out.cpu()
@@ -490,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shared-read", nargs="+", default=[StaticCodedSharedLayer.history_read],
                         choices=("sdpa", "kernel"),
                         help="how a static shared cell reads a BF16 source (StaticCodedSharedLayer.history_read)")
+    parser.add_argument("--one-launch", nargs="+", default=["on"], choices=("on", "off"),
+                        help="coded_attention reads a view with no history to split in one launch (on) or not "
+                             "(TAIL_TUNING['final_slots'])")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -543,16 +552,18 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared in itertools.product(
+                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one in itertools.product(
                     modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
-                    args.defer_stop, args.shared_read
+                    args.defer_stop, args.shared_read, args.one_launch
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    before = PDL["enabled"], dict(GEMV_TUNING), StaticCodedSharedLayer.history_read
+                    before = PDL["enabled"], dict(GEMV_TUNING), StaticCodedSharedLayer.history_read, dict(TAIL_TUNING)
+                    if one == "off":
+                        TAIL_TUNING["final_slots"] = 0
                     PDL["enabled"] = pdl == "on"
                     StaticCodedSharedLayer.history_read = shared
                     GEMV_TUNING["fuse_silu"], GEMV_TUNING["enabled"] = fuse == "on", gemv == "on"
@@ -567,6 +578,7 @@ def main(argv: list[str] | None = None) -> None:
                         PDL["enabled"] = before[0]
                         GEMV_TUNING.update(before[1])
                         StaticCodedSharedLayer.history_read = before[2]
+                        TAIL_TUNING.update(before[3])
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

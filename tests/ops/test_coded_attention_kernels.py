@@ -332,6 +332,76 @@ def test_short_splits_take_half_page_steps_at_one_warp(monkeypatch, splits, vpre
     assert seen[-1] == want, seen
 
 
+NO_HISTORY_CASES = [
+    Case(hist=0, Wn=20, Q=1, Hq=2, Hkv=2, D=64, S=4, fmt=0),  # decode, MHA, a sink
+    Case(hist=0, Wn=40, Q=3, Hq=4, Hkv=2, D=64, S=0, fmt=0, pad=True, B=2),  # a block, GQA 2, padding, no sink
+    Case(hist=0, Wn=9, Q=2, Hq=2, Hkv=1, D=96, S=2, fmt=0, guard=True),  # padded head dim, NaN past it
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in NO_HISTORY_CASES])
+def test_one_launch_read_without_history(monkeypatch, case, dtype):
+    """A view with no history (a cell that has coded nothing yet: every position in the sink, window and new
+    tokens) and a short window is one launch (`TAIL_TUNING`, `FINAL`): one tail program per row block writes the
+    output and lse itself, no merge kernel runs; with `final_slots` 0, or a `final_block` of 16 positions per step,
+    the same output; against the reference on the same view."""
+    from triton_ops.coded_attention import kernels
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    data = _build(case, dtype)
+    view = dataclasses.replace(_view(data, dtype, DEVICE), history_key=None, history_value=None)
+    query = data["q"].to(device=DEVICE, dtype=dtype)
+    if case.guard:
+        query = _guard(query)
+    real_fwd, real_merge, seen = kernels._coded_attention_fwd_kernel, kernels._coded_attention_merge_kernel, []
+
+    def recorder(real, name):
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(**kw):
+                    seen.append((name, grid[0], kw.get("FINAL")))
+                    return real[grid](**kw)
+
+                return launch
+
+        return Recorder()
+
+    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", recorder(real_fwd, "fwd"))
+    monkeypatch.setattr(kernels, "_coded_attention_merge_kernel", recorder(real_merge, "merge"))
+    ref, ref_lse = reference_coded_attention(
+        data["q"].double(), dataclasses.replace(_view(data, torch.float64), history_key=None, history_value=None),
+        scaling=data["scaling"],
+    )  # fmt: skip
+    low = reference_coded_attention(
+        data["q"].to(dtype), dataclasses.replace(_view(data, dtype), history_key=None, history_value=None),
+        scaling=data["scaling"],
+    )[0]  # fmt: skip
+    err_ref = (low.double() - ref).abs().max().item() if dtype != torch.float32 else 0.0
+    for tuning, want in (
+        (None, [("fwd", 1, True)]),
+        ({"final_block": 16}, [("fwd", 1, True)]),
+        ({"final_slots": 0}, [("fwd", -(-case.Wn // 64), False), ("merge", case.B * case.Hkv * case.Hq // case.Hkv * case.Q, None)]),
+    ):
+        seen.clear()
+        out, lse = _coded_attention_fwd(query, view, scaling=data["scaling"], v_precision_tau=None, tuning=tuning)
+        assert seen == want, (tuning, seen)
+        assert out.dtype == dtype and out.shape == (case.B, case.Hq, case.Q, case.D)
+        err = (out.double().cpu() - ref).abs().max().item()
+        assert err <= 2 * err_ref + ATOL[dtype], f"{tuning}: kernel err {err:.3e}, reference err {err_ref:.3e}"
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_ATOL[dtype], rtol=0)
+
+
+def test_one_launch_settings_are_validated():
+    data = _build(Case(hist=64, Hq=1, Hkv=1, vprec=False), torch.float32)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=r"tuning\['final_slots'\]` must be a non-negative int \(0: never\)"):
+            _run_kernel(data, tuning={"final_slots": bad})
+    for bad in (8, 48, 256, True):
+        with pytest.raises(ValueError, match=r"tuning\['final_block'\]` must be 16, 32, 64 or 128"):
+            _run_kernel(data, tuning={"final_block": bad})
+
+
 def test_row1_occupancy_settings_are_validated():
     data = _build(Case(hist=64, Hq=1, Hkv=1, vprec=False), torch.float32)
     for bad in ({"sub": 3}, {"sub": 8}, {"sub": 2, "pages": 2}):

@@ -246,19 +246,20 @@ def test_static_tail_chunks_follow_the_live_pages(case, splits, launches):
     assert ring >= 75 and launches[-1][3] == n_hist + -(-ring // 8), (ring, launches)
 
 
-PRIOR_CASES = [
-    Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=70, Wn=6, Q=1, fmt=0, vprec=False, pad=True),  # RIPE: MHA, a sink
+PRIOR_CASES = [  # sinks that do not outweigh the history (lean 0.3), so that the prior's weight shows
+    Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=70, Wn=6, Q=1, fmt=0, vprec=False, pad=True, lean=0.3),  # RIPE: MHA, a sink
     Case(B=2, Hq=4, Hkv=2, D=32, S=0, hist=40, Wn=9, Q=1, fmt=0, vprec=False, pad=True),  # no sink, GQA
-    Case(B=1, Hq=2, Hkv=2, D=96, S=2, hist=33, Wn=3, Q=1, fmt=0, vprec=False),  # Huginn-0125's head dim
+    Case(B=1, Hq=2, Hkv=2, D=96, S=2, hist=33, Wn=3, Q=1, fmt=0, vprec=False, lean=0.3),  # Huginn-0125's head dim
 ]
 
 
 def _history_part(data, view, dtype):
     """Attention of the queries over the history positions `[S, history_end)` alone (what cuDNN computes for a
-    static shared cell over a BF16 source), as `(out, natural-log lse)`: the view's history keys, padding hidden."""
+    static shared cell over a BF16 source), as `(out, natural-log lse)` on the CPU: the view's history keys (on any
+    device), padding hidden."""
     q = data["q"].to(dtype)
     b, hq, _, d = q.shape
-    hk, hv = view.history_key.to(dtype), view.history_value.to(dtype)
+    hk, hv = view.history_key.to("cpu", dtype), view.history_value.to("cpu", dtype)
     g = hq // hk.shape[1]
     hk, hv = hk.repeat_interleave(g, 1), hv.repeat_interleave(g, 1)
     pos = view.history_start + torch.arange(hk.shape[2])
@@ -271,13 +272,28 @@ def _history_part(data, view, dtype):
     return out, lse
 
 
+@pytest.mark.parametrize("final", [True, False], ids=["one-launch", "tail-and-merge"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in PRIOR_CASES])
-def test_prior_merges_history_read_elsewhere(case):
+def test_prior_merges_history_read_elsewhere(monkeypatch, case, final):
     """`prior`: the history read by someone else (cuDNN over a RIPE source's plane) and the rest of the view by the op
     give, merged by log-sum-exp, what the op gives over the whole view (the reference in fp64; the kernel in fp32 on
     CUDA or under `TRITON_INTERPRET=1`, within twice the fp32 reference's error); and a row whose prior read
-    nothing (lse -inf, its out NaN) takes none of it."""
+    nothing (lse -inf, its out NaN) takes none of it. The kernel merges the prior in its one tail program (`FINAL`,
+    the default for a ring this short) or, with `final_slots` 0, in the merge launch after the tail programs."""
+    from triton_ops.coded_attention import kernels
     from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    real, finals = kernels._coded_attention_fwd_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                finals.append(kw["FINAL"])
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
 
     data = _build(case, torch.float32)
     full = _static_view(data, torch.float64)
@@ -299,8 +315,10 @@ def test_prior_merges_history_read_elsewhere(case):
     view = _static_view(data, torch.float32, device=DEVICE)
     rest = dataclasses.replace(view, history_key=None, history_value=None)
     p_out, p_lse = (t.to(DEVICE) for t in _history_part(data, view, torch.float32))
-    q, kw = data["q"].to(DEVICE), dict(scaling=data["scaling"], v_precision_tau=None)
-    out, lse = _coded_attention_fwd(q, rest, prior=(p_out, p_lse), **kw)  # the kernel (its merge takes the prior)
+    q = data["q"].to(DEVICE)
+    kw = dict(scaling=data["scaling"], v_precision_tau=None, tuning=None if final else {"final_slots": 0})
+    out, lse = _coded_attention_fwd(q, rest, prior=(p_out, p_lse), **kw)
+    assert finals == [final]
     _assert_matches(data, out, lse)
     p_out[0], p_lse[0] = float("nan"), float("-inf")
     merged = _coded_attention_fwd(q, rest, prior=(p_out, p_lse), **kw)[0]

@@ -1444,6 +1444,16 @@ def _dmask(m, o_d, DH: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _prior_weight(x_lse, b_mx):
+    """A `prior` part merged into parts whose maximum lse is `b_mx` (log2; the view's own parts always read the new
+    token, so it is finite): the new maximum and the prior's weight `exp2(lse - max)`, from its natural-log `x_lse`
+    (0 for a prior that read nothing, lse -inf, whatever its out holds: callers add `where(w > 0, w * out, 0)`)."""
+    x2 = x_lse.to(tl.float32) / _LN2
+    mx = tl.maximum(b_mx, x2)
+    return mx, tl.exp2(x2 - mx)
+
+
+@triton.jit
 def _live_pages(b_bound, hist_start, m_row, PAGE: tl.constexpr):
     """History pages any row of the block reads (its rows' bounds, less the history's start, in whole pages)."""
     return (tl.maximum(tl.max(tl.where(m_row, b_bound - hist_start, 0), axis=0), 0) + PAGE - 1) // PAGE
@@ -1616,10 +1626,23 @@ def _coded_attention_fwd_kernel(
     MMA: tl.constexpr = False,
     MMA_STAGES: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
+    px_o_ptr=None,  # FINAL with PRIOR: the prior's out [B, H_q, Q, D] and natural-log lse [B, H_q, Q]
+    px_lse_ptr=None,
+    stride_xob=0,
+    stride_xoh=0,
+    stride_xoq=0,
+    stride_xlb=0,
+    stride_xlh=0,
+    stride_xlq=0,
+    PRIOR: tl.constexpr = False,
+    FINAL: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # FINAL (no history split, NS = 0, and one tail program reading the whole window): that program's part is the
+    # op's only one, so it merges the prior (if any) itself and writes `out` (o_ptr, [B, H_q, Q, DH] contiguous, the
+    # query's dtype) and the natural-log `lse` (lse_ptr, [B, H_q, Q]); no merge launch follows
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -1657,6 +1680,11 @@ def _coded_attention_fwd_kernel(
         # new tokens (causal); a window longer than a history split is spread so that it does not set the pace
         j = i_s - NS
         chunk = tail_chunk
+        if FINAL and PRIOR:  # loaded before the reads below, so that their latency overlaps them (nothing they need)
+            p_x = i_b * stride_xlb + (i_hk * G + o_g) * stride_xlh + o_i * stride_xlq
+            x_lse = tl.load(px_lse_ptr + p_x, mask=m_row, other=float("-inf"))
+            p_xo = i_b * stride_xob + (i_hk * G + o_g)[:, None] * stride_xoh + o_i[:, None] * stride_xoq
+            x_o = tl.load(px_o_ptr + p_xo + o_d[None, :], mask=_dmask(m_row[:, None], o_d, DH, D), other=0.0)
         if TAIL_DEV:
             # a static cache's captured step: the launcher's rule for host lengths (half a split's positions, at
             # least `tail_min`), applied to the pages the splits share out now; programs past the ring read nothing
@@ -1683,7 +1711,25 @@ def _coded_attention_fwd_kernel(
                 b_zero + n_start, b_own + 1, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
                 IEEE, False,
              DH=DH,)  # fmt: skip
-        _store_partial(o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D)
+        if FINAL:
+            b_tot = tl.where(b_l > 0, b_l, 1.0)
+            b_mx = tl.where(b_l > 0, b_m + tl.log2(b_tot), float("-inf"))  # log2 lse (rows past R: -inf, not stored)
+            b_acc = b_acc / b_tot[:, None]
+            if PRIOR:
+                b_mx, x_w = _prior_weight(x_lse, b_mx)
+                b_w = tl.exp2(b_m + tl.log2(b_tot) - b_mx)  # the view's own part (reads the new token: finite)
+                b_acc = b_w[:, None] * b_acc + tl.where(x_w[:, None] > 0, x_w[:, None] * x_o.to(tl.float32), 0.0)
+                b_tot = b_w + x_w
+                b_acc = b_acc / tl.where(b_tot > 0, b_tot, 1.0)[:, None]
+                b_mx = b_mx + tl.log2(b_tot)
+            o_row = i_bh * (G * Q) + o_r  # = (b * H_q + h_q) * Q + i: out and lse are contiguous
+            tl.store(o_ptr + o_row[:, None] * DH + o_d[None, :], b_acc.to(o_ptr.dtype.element_ty),
+                     mask=m_row[:, None] & (o_d < DH)[None, :])  # fmt: skip
+            tl.store(lse_ptr + o_row, b_mx * _LN2, mask=m_row)
+        else:
+            _store_partial(
+                o_ptr, lse_ptr, (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r, b_m, b_l, b_acc, o_d, m_row, D
+            )
     else:
         b_nh = b_bound - hist_start  # history tokens row r reads
         # pages any row of the block reads: a program past them exits at once (its partial reads nothing)
@@ -1995,9 +2041,7 @@ def _coded_attention_merge_kernel(
     b_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if PRIOR:  # one more part computed elsewhere (`prior`: out and natural-log lse of keys the view does not hold)
-        x_lse = tl.load(px_lse_ptr + i_b * stride_xlb + i_hq * stride_xlh + i_q * stride_xlq).to(tl.float32) / _LN2
-        b_mx = tl.maximum(b_mx, x_lse)  # the view's own part always reads the new token: finite
-        x_w = tl.exp2(x_lse - b_mx)  # 0 for a prior that read nothing (lse -inf)
+        b_mx, x_w = _prior_weight(tl.load(px_lse_ptr + i_b * stride_xlb + i_hq * stride_xlh + i_q * stride_xlq), b_mx)
         x_o = tl.load(px_o_ptr + i_b * stride_xob + i_hq * stride_xoh + i_q * stride_xoq + o_d, mask=o_d < DH, other=0.0)
         b_acc += tl.where(x_w > 0, x_w * x_o.to(tl.float32), 0.0)
         b_sum += tl.where(tl.arange(0, BLOCK_S) == 0, x_w, 0.0)

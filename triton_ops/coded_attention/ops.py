@@ -108,6 +108,14 @@ TAIL_MIN = 64
 """Fewest window slots a tail program reads when the launcher spreads the window (`tuning["tail_min"]` overrides it,
 `tuning["tail_chunk"]` sets the slots per tail program outright)."""
 
+TAIL_TUNING = {"final_slots": 128, "final_block": TAIL_BLOCK}
+"""The one-launch read (`FINAL`): a call with no history pages to split (a shared cell whose history is read
+elsewhere and merged in as `prior`, RIPE's and the deepest plane's one-token step; a cell that holds no history yet)
+and at most `final_slots` window slots runs one tail program per (batch row, KV head, row block) that reads the sink,
+the window and the new tokens, merges the prior and writes `out` and `lse` itself: no partial buffers and no merge
+launch (0: never). `final_block`: its positions per loop step (a power of two in 16..128). `tuning` overrides
+either."""
+
 DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 """Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
 deepest plane): history positions per loop step (a power of two >= 16), warps per program, software-pipelining depth,
@@ -301,14 +309,29 @@ def _coded_attention_fwd(
     if tail is None:
         tail = tail_min if tail_dev else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
     nt = max(1, -(-w_len // tail))
+    final_slots = tune.get("final_slots", TAIL_TUNING["final_slots"])
+    if isinstance(final_slots, bool) or not isinstance(final_slots, int) or final_slots < 0:
+        raise ValueError(f"`tuning['final_slots']` must be a non-negative int (0: never), got {final_slots!r}")
+    final_block = tune.get("final_block", TAIL_TUNING["final_block"])
+    if final_block not in (16, 32, 64, 128) or isinstance(final_block, bool):
+        raise ValueError(f"`tuning['final_block']` must be 16, 32, 64 or 128, got {final_block!r}")
+    # no history split and a short window: one tail program per row block, whose part is the output (`TAIL_TUNING`)
+    final = ns == 0 and w_len <= final_slots
+    if final:
+        tail, tail_dev, nt = max(w_len, 1), False, 1
     bound = view.history_end
     key_valid = view.key_valid
-    o_part = torch.empty(ns + nt, b * hkv, rows, dp, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(ns + nt, b * hkv, rows, dtype=torch.float32, device=dev)
+    if final:  # the kernel writes the output: contiguous, so that a row's flat index is its partial's
+        out = o_part = torch.empty(b, hq, q_len, d, dtype=query.dtype, device=dev)
+        lse = lse_part = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
+    else:
+        o_part = torch.empty(ns + nt, b * hkv, rows, dp, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(ns + nt, b * hkv, rows, dtype=torch.float32, device=dev)
     pmax = torch.empty(b * hkv, rows, max(n_pages, 1), dtype=torch.float32, device=dev) if read_prefix else lse_part
     sc = torch.empty(b * hkv, n_pages * page, dtype=torch.float32, device=dev) if scores else lse_part
     valid = key_valid if key_valid is not None else bound
     slots = rows if rowx else n_rblocks  # V-precision count slots per (split, b * h_kv)
+    count = count and not final  # no history: nothing to count
     stats_part = torch.zeros(max(ns, 1) * b * hkv * slots, 2, dtype=torch.int32, device=dev) if count else lse_part
 
     def args(page_max_only: bool) -> dict:
@@ -373,7 +396,7 @@ def _coded_attention_fwd(
             VGROUP=vgroup,
             KV_FMT=fmt,
             BLOCK_R=block_r,
-            BLOCK_T=TAIL_BLOCK,
+            BLOCK_T=final_block if final else TAIL_BLOCK,
             BLOCK_PM=64,
             USE_VALID=key_valid is not None,
             USE_VPREC=use_vprec,
@@ -394,6 +417,8 @@ def _coded_attention_fwd(
             ROWX=rowx,
             MMA=mma,
             MMA_STAGES=mma_stages if mma else 1,
+            FINAL=final,
+            **(_prior_args(prior) if final else {}),
         )
 
     if row1 or mma:
@@ -409,6 +434,8 @@ def _coded_attention_fwd(
     if read_prefix:
         _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **pdl, **launch)
     _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **pdl, **launch)
+    if final:
+        return out, lse
     out = torch.empty_like(query)
     lse = torch.empty(b, hq, q_len, dtype=torch.float32, device=dev)
     block_d = min(dp, 32)
@@ -508,7 +535,7 @@ def coded_attention(
 
     Same contract as `reference_coded_attention` (see there and README.md): on CUDA tensors with Triton installed it
     runs the split-history kernel (one launch, plus a page-maxima launch when V precision spans several splits, plus
-    the log-sum-exp merge); elsewhere, and for shapes the kernel does not take (a head dim below 16, or below 33
+    the log-sum-exp merge; a view with no history pages and a short window is one launch, `TAIL_TUNING`); elsewhere, and for shapes the kernel does not take (a head dim below 16, or below 33
     over coded history; a key page size that is not a power of two >= 16; fp64), the reference; a head dim that is
     no power of two (Huginn-0125's 96) is read in zero-padded tiles of the next power of two. The kernel path reads
     every view tensor in place through its strides (no `.contiguous()`, no decoded copy) and never reads a value
