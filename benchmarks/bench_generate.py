@@ -43,7 +43,9 @@ source in a one-token step (`StaticCodedSharedLayer.history_read`: cuDNN over th
 of the rest, or all in the kernel; row `shared_read`, `tokens_equal_shared_sdpa_off`). `--one-launch on off` the same
 for `coded_attention`'s one-launch read of a view with no history to split (`TAIL_TUNING["final_slots"]`: RIPE's and
 the deepest plane's shared cells in a one-token step, whose history cuDNN reads; row `one_launch`,
-`tokens_equal_one_launch_off`; pass `off on`).
+`tokens_equal_one_launch_off`; pass `off on`), and `--whole-source on off` for the deepest plane's one-token step
+read by its source's own read (`StaticCodedSharedLayer.whole_source`; row `whole_source`,
+`tokens_equal_whole_source_off`; pass `off on`).
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ def run_one(
         "defer_stop": defer_stop if not peer else None,
         "fuse_kv": bool(GEMV_TUNING["fuse_kv"]) if not peer else None,
         "one_launch": bool(TAIL_TUNING["final_slots"]) if not peer else None,
+        "whole_source": StaticCodedSharedLayer.whole_source if mode != "eager" and not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -329,7 +332,8 @@ def run_one(
                    bool(GEMV_TUNING["fuse_silu"]), pdl)
             switches = (("defer_stop", defer_stop), ("fuse_kv", bool(GEMV_TUNING["fuse_kv"])),
                         ("shared_sdpa", StaticCodedSharedLayer.history_read == "sdpa"),
-                        ("one_launch", bool(TAIL_TUNING["final_slots"])))  # fmt: skip
+                        ("one_launch", bool(TAIL_TUNING["final_slots"])),
+                        ("whole_source", StaticCodedSharedLayer.whole_source))  # fmt: skip
             for name, on in switches:
                 if not on:
                     reference[(*key, mode, f"{name}_off")] = out.cpu()
@@ -499,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--one-launch", nargs="+", default=["on"], choices=("on", "off"),
                         help="coded_attention reads a view with no history to split in one launch (on) or not "
                              "(TAIL_TUNING['final_slots'])")
+    parser.add_argument("--whole-source", nargs="+", default=["on"], choices=("on", "off"),
+                        help="the deepest plane's one-token step is read by its source's own read (on) or as RIPE's "
+                             "(StaticCodedSharedLayer.whole_source)")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -552,16 +559,18 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one in itertools.product(
+                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one, whole in itertools.product(
                     modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
-                    args.defer_stop, args.shared_read, args.one_launch
+                    args.defer_stop, args.shared_read, args.one_launch, args.whole_source
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
                         write_rows(args.out, rows)
                         continue
                     start = time.perf_counter()
-                    before = PDL["enabled"], dict(GEMV_TUNING), StaticCodedSharedLayer.history_read, dict(TAIL_TUNING)
+                    before = (PDL["enabled"], dict(GEMV_TUNING), StaticCodedSharedLayer.history_read, dict(TAIL_TUNING),
+                              StaticCodedSharedLayer.whole_source)
+                    StaticCodedSharedLayer.whole_source = whole == "on"
                     if one == "off":
                         TAIL_TUNING["final_slots"] = 0
                     PDL["enabled"] = pdl == "on"
@@ -579,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
                         GEMV_TUNING.update(before[1])
                         StaticCodedSharedLayer.history_read = before[2]
                         TAIL_TUNING.update(before[3])
+                        StaticCodedSharedLayer.whole_source = before[4]
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -14,10 +14,12 @@ from pathlib import Path
 def _name(row: dict) -> str:
     """The cache, with its mode when it is not the growable cache's eager decoding (`static`, `graph`), "op by op"
     for rows run without the fused layer kernels (`--fused off`) and "no one-launch read" for rows run without
-    `coded_attention`'s one-launch read (`--one-launch off`)."""
+    `coded_attention`'s one-launch read (`--one-launch off`), "no whole-source read" for deepest-plane rows run
+    without it (`--whole-source off`)."""
     mode = row.get("mode")
     name = row["cache"] if mode in (None, "eager", "peer") else f"{row['cache']} ({mode})"
     name += ", op by op" if row.get("fused_ops") is False else ""
+    name += ", no whole-source read" if row.get("whole_source") is False and row["cache"] == "deepest" else ""
     return name + (", no one-launch read" if row.get("one_launch") is False else "")
 
 

@@ -314,6 +314,61 @@ def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
     torch.testing.assert_close(out, weights @ values)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deepest_plane_step_reads_the_source_storage(arch, monkeypatch):
+    """In a full forward's one-token step a deepest-plane cell writes its new key and value into its source's storage
+    as well as its ring (one write) and is read by the source's own read (`StaticCodedSharedLayer.
+    _reads_whole_source`): every shared cell takes it at every decode step, and the logits equal, in fp64 over a
+    left-padded batch, those of the read it replaces (`history_read = "kernel"`: the source's history and the ring
+    and new token through `coded_attention`); the source's own positions are what it wrote."""
+    from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
+
+    model = make_model(arch).double()
+    ids, mask = _prompt(3, True)
+    taken = []
+    real = StaticCodedSharedLayer._reads_whole_source
+    monkeypatch.setattr(StaticCodedSharedLayer, "_reads_whole_source",
+                        lambda self, q, read: taken.append(real(self, q, read)) or taken[-1])  # fmt: skip
+
+    def run(history_read):
+        monkeypatch.setattr(StaticCodedSharedLayer, "history_read", history_read)
+        cache = DeepestPlaneCache(model, static=True, max_batch_size=3, max_cache_len=24)
+        out = _generate(model, arch, ids, mask, cache, output_logits=True, return_dict_in_generate=True)
+        return out, cache
+
+    slow, slow_cache = run("kernel")
+    assert not any(taken)
+    taken.clear()
+    fast, fast_cache = run("sdpa")
+    shared = sum(isinstance(c, StaticCodedSharedLayer) for c in fast_cache.cells)
+    assert shared > 0 and taken.count(True) == shared * 7  # 7 one-token steps after the prefill, every shared cell
+    assert torch.equal(fast.sequences, slow.sequences)
+    for a, b in zip(fast.logits, slow.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    for a, b in zip(fast_cache.cells, slow_cache.cells):
+        if not isinstance(a, StaticCodedSharedLayer):  # the sources: the same positions stored
+            n = a.get_seq_length()
+            torch.testing.assert_close(a._views()[0][:, :, :n], b._views()[0][:, :, :n], rtol=0, atol=1e-10)
+    # drafts (two loops: the source does not run) read as before: their source holds no new position
+    taken.clear()
+    logits = {}
+    for history_read in ("kernel", "sdpa"):
+        monkeypatch.setattr(StaticCodedSharedLayer, "history_read", history_read)
+        cache = DeepestPlaneCache(model, static=True, max_batch_size=3, max_cache_len=24)
+        cache.set_max_rollback(3)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, **call_kwargs(arch))
+            grown, steps = mask, []
+            for t in range(3):
+                grown = torch.cat([grown, torch.ones_like(grown[:, :1])], dim=1)
+                out = model(ids[:, t : t + 1], attention_mask=grown, past_key_values=cache, use_cache=True,
+                            **model.draft_kwargs(2), **call_kwargs(arch))  # fmt: skip
+                steps.append(out.logits)
+        logits[history_read] = torch.cat(steps, dim=1)
+    assert not any(taken)
+    torch.testing.assert_close(logits["sdpa"], logits["kernel"], rtol=0, atol=1e-10)
+
+
 def test_decode_graphs_fall_back_to_eager_when_capture_fails(monkeypatch):
     """A step that cannot be captured (an op CUDA graphs refuse) decodes eagerly, with the same tokens, and is not
     tried again for that batch size."""
@@ -368,15 +423,19 @@ def _teacher_forced_logits(model, arch, cache, ids, mask, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["ripe3", "deepest"])
+@pytest.mark.parametrize("kind", ["ripe3", "deepest", "deepest-whole"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_shared_cells_read_a_bf16_source_through_cudnn_cuda(arch, kind, monkeypatch):
     """On CUDA in bf16, a static RIPE / deepest-plane cache's shared cells read their source's history with cuDNN
     (`StaticCodedSharedLayer.history_read = "sdpa"`: `fixed_shape_attention_lse`, merged into the kernel's read of
-    the sink, ring and new token by `coded_attention`'s `prior`): against the same cache in fp32 (the kernel path),
-    its logits err at most twice as much as the all-kernel path's in bf16, over a left-padded batch and a window
-    that moves; and `generate`'s captured steps take that path and give its eager tokens."""
+    the sink, ring and new token by `coded_attention`'s `prior`; `deepest-whole`: the deepest plane's one-token steps
+    read by the source's own read instead, `whole_source`, and never that merge): against the same cache in fp32
+    (the kernel path), its logits err at most twice as much as the all-kernel path's in bf16, over a left-padded
+    batch and a window that moves; and `generate`'s captured steps take that path and give its eager tokens."""
     from hf_loopcache.cache.layers import StaticCodedSharedLayer, static_coded
+
+    monkeypatch.setattr(StaticCodedSharedLayer, "whole_source", kind == "deepest-whole")
+    merged = kind != "deepest-whole"
 
     wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
         "n_embd": 256, "n_heads": 2}  # fmt: skip
@@ -402,12 +461,12 @@ def test_shared_cells_read_a_bf16_source_through_cudnn_cuda(arch, kind, monkeypa
     for read in ("kernel", "sdpa"):
         monkeypatch.setattr(StaticCodedSharedLayer, "history_read", read)
         logits[read] = _teacher_forced_logits(model.bfloat16(), arch, make(), ids, mask, tokens)
-    assert calls
+    assert bool(calls) == merged
     err = {read: (got - exact).abs().max().item() for read, got in logits.items()}
     assert err["sdpa"] <= 2 * err["kernel"] + 1e-3, err
     calls.clear()
     eager = _generate(model, arch, ids, mask, make(), new=12, disable_compile=True)
     cache = make()
     captured = _generate(model, arch, ids, mask, cache, new=12)
-    assert cache.captured_steps() and calls
+    assert cache.captured_steps() and bool(calls) == merged
     assert torch.equal(captured, eager)

@@ -250,6 +250,12 @@ class StaticDenseLayer(_StaticStorage):
         self._write(key, value, positions, written)
         if first:  # prefill into an empty cell: causal attention over the new tokens (fast kernels, no full mask)
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
+        return self.read_storage(query, key, value, read, positions)
+
+    def read_storage(self, query, key, value, read, positions):
+        """Attention of the forward's queries at `positions` over this cell's storage up to them, the new keys and
+        values (`key`, `value`) already written at `positions`: this cell's own read, and that of a shared cell that
+        wrote its new position into this storage (`StaticCodedSharedLayer`, the deepest plane's one-token step)."""
         k, v = self._views()
         mask = read.static_mask
         if mask is None:

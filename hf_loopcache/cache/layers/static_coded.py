@@ -166,8 +166,11 @@ class _StaticWindowed(_StaticStorage):
         self.valid = read.static_valid
         return super()._positions(q, read)
 
-    def _store(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write the new positions into the sink (those below `S`) and the ring (every one)."""
+    def _store(
+        self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, also: tuple | None = None
+    ) -> None:
+        """Write the new positions into the sink (those below `S`) and the ring (every one); `also` `(k, v)`: into
+        that storage too, at the same positions, in the same launch (a cell without a sink)."""
         q, rows = key.shape[2], self.rows
         if self.length + q > self.max_positions:
             raise ValueError(
@@ -182,6 +185,10 @@ class _StaticWindowed(_StaticStorage):
             self.sink_v[:rows, :, :n] = value[:, :, :n]  # type: ignore[index]
         elif self.sink:  # a step or block after it: a short prompt's sink fills here, the scratch slot takes the rest
             sink = (self.sink_k[:rows], self.sink_v[:rows], self.sink)  # type: ignore[index]
+        if also is not None:
+            if self.sink:
+                raise ValueError("`also` is for a cell without a sink")
+            sink = (also[0], also[1], also[0].shape[2] - 1)  # every position in range: slot = position
         # the ring keeps the last `capacity` positions; with the sink, one launch on CUDA writes all four
         fused.write_kv(ring_k, ring_v, key, value, positions, modulo=self.capacity, sink=sink)
         self.length += q
@@ -843,6 +850,11 @@ class StaticCodedSharedLayer(_StaticWindowed):
     #: `coded_attention`'s `prior`; the kernel where cuDNN cannot run it) or `"kernel"` (all of it in the kernel)
     history_read = "sdpa"
 
+    #: whether the deepest plane's one-token step of a full forward is read by its source's own read, the new key and
+    #: value written into the source's storage too (`_reads_whole_source`; with `history_read = "sdpa"`); False: as
+    #: RIPE's cells, cuDNN over the source's history merged with the kernel's read of the ring and the new token
+    whole_source = True
+
     def __init__(
         self,
         source: StaticCodedLayer | StaticDenseLayer,
@@ -893,6 +905,14 @@ class StaticCodedSharedLayer(_StaticWindowed):
         positions = self._positions(q, read)
         if self.length == 0:
             return self._prefill(query, key, value, read, positions)
+        if self._reads_whole_source(query, read):
+            # the deepest plane's one-token step in a full forward: every earlier position is the source's, so the new
+            # key and value go into the source's storage at their position too (in the ring's launch; the source
+            # writes its own there later in this forward) and the source's own read serves this cell: cuDNN over the
+            # storage, no read of the ring, no merge (H200, README, session 26)
+            k, v = self.source._views()
+            self._store(key, value, positions, also=(k, v))
+            return self.source.read_storage(query, key, value, read, positions)
         coded = isinstance(self.source, StaticCodedLayer)
         if coded:
             self.source.prepare(read, positions)  # the source codes the pages its readers need
@@ -900,6 +920,14 @@ class StaticCodedSharedLayer(_StaticWindowed):
         out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
+
+    def _reads_whole_source(self, query: torch.Tensor, read: ReadState) -> bool:
+        """Whether this forward's read is the source's read with this cell's new token in it: no window and no sink
+        (the deepest plane: `W = 0`, `P = 1`), a BF16 source, one new token of a full forward (every loop runs, so
+        the source holds every earlier position and writes this one after this cell, at the same slot), and
+        `history_read = "sdpa"` with `whole_source`. Drafts and verification blocks read as before."""
+        return (self.window == 0 and self.page == 1 and self.sink == 0 and isinstance(self.source, StaticDenseLayer)
+                and read.complete and query.shape[2] == 1 and self.history_read == "sdpa" and self.whole_source)  # fmt: skip
 
     def _read(self, query, key, value, read, positions, history_end):
         """A one-token step over a BF16 source: cuDNN over the source's storage to each row's history end (one
