@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+def record_launches(monkeypatch: Any, kernel: str, pick: Callable[[tuple, dict], Any]) -> list:
+    """Replace `triton_ops.coded_attention.kernels.<kernel>` by a recorder that appends `pick(grid, kwargs)` for
+    each launch, then launches the real kernel; returns the list it appends to."""
+    from triton_ops.coded_attention import kernels
+
+    real, seen = getattr(kernels, kernel), []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append(pick(grid, kw))
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, kernel, Recorder())
+    return seen
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """The history launch's `(ROWX, ROW1, SUB, grid[0], MMA, num_warps)`, recorded per call of the split kernel."""
-    from triton_ops.coded_attention import kernels
-
-    real, seen = kernels._coded_attention_fwd_kernel, []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append((kw["ROWX"], kw["ROW1"], kw["SUB"], grid[0], kw["MMA"], kw.get("num_warps")))
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
-    return seen
+    return record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel",
+        lambda grid, kw: (kw["ROWX"], kw["ROW1"], kw["SUB"], grid[0], kw["MMA"], kw.get("num_warps")),
+    )  # fmt: skip

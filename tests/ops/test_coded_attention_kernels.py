@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.ops.conftest import record_launches
 from triton_ops.coded_attention import CellView, reference_coded_attention
 from triton_ops.quant import naive
 
@@ -315,19 +316,7 @@ def test_short_splits_take_half_page_steps_at_one_warp(monkeypatch, splits, vpre
     """v6 `ROW1_TUNING["sub_auto_pages"]` (16): splits of at most that many pages (here 10 pages in 5 splits) run the
     word path in half-page steps at one warp; one split of 10 pages with the setting at 8, the setting at 0, V
     precision and warps other than the default's keep v4's loop. The launch's `SUB` and `num_warps` are read from the call; the output is checked."""
-    from triton_ops.coded_attention import kernels
-
-    real, seen = kernels._coded_attention_fwd_kernel, []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append((kw["SUB"], kw["num_warps"]))
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
+    seen = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["SUB"], kw["num_warps"]))
     _check(Case(hist=300, Hq=1, Hkv=1, S=0, splits=splits, vprec=vprec, lean=0.3), torch.float32, tuning=tune)
     assert seen[-1] == want, seen
 
@@ -346,7 +335,6 @@ def test_one_launch_read_without_history(monkeypatch, case, dtype):
     tokens) and a short window is one launch (`TAIL_TUNING`, `FINAL`): one tail program per row block writes the
     output and lse itself, no merge kernel runs; with `final_slots` 0, or a `final_block` of 16 positions per step,
     the same output; against the reference on the same view."""
-    from triton_ops.coded_attention import kernels
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     data = _build(case, dtype)
@@ -354,21 +342,8 @@ def test_one_launch_read_without_history(monkeypatch, case, dtype):
     query = data["q"].to(device=DEVICE, dtype=dtype)
     if case.guard:
         query = _guard(query)
-    real_fwd, real_merge, seen = kernels._coded_attention_fwd_kernel, kernels._coded_attention_merge_kernel, []
-
-    def recorder(real, name):
-        class Recorder:
-            def __getitem__(self, grid):
-                def launch(**kw):
-                    seen.append((name, grid[0], kw.get("FINAL")))
-                    return real[grid](**kw)
-
-                return launch
-
-        return Recorder()
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", recorder(real_fwd, "fwd"))
-    monkeypatch.setattr(kernels, "_coded_attention_merge_kernel", recorder(real_merge, "merge"))
+    fwd = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (grid[0], kw["FINAL"]))
+    merge = record_launches(monkeypatch, "_coded_attention_merge_kernel", lambda grid, kw: grid[0])
     ref, ref_lse = reference_coded_attention(
         data["q"].double(), dataclasses.replace(_view(data, torch.float64), history_key=None, history_value=None),
         scaling=data["scaling"],
@@ -379,13 +354,14 @@ def test_one_launch_read_without_history(monkeypatch, case, dtype):
     )[0]  # fmt: skip
     err_ref = (low.double() - ref).abs().max().item() if dtype != torch.float32 else 0.0
     for tuning, want in (
-        (None, [("fwd", 1, True)]),
-        ({"final_block": 16}, [("fwd", 1, True)]),
-        ({"final_slots": 0}, [("fwd", -(-case.Wn // 64), False), ("merge", case.B * case.Hkv * case.Hq // case.Hkv * case.Q, None)]),
+        (None, ([(1, True)], [])),
+        ({"final_block": 16}, ([(1, True)], [])),
+        ({"final_slots": 0}, ([(-(-case.Wn // 64), False)], [case.B * case.Hq * case.Q])),
     ):
-        seen.clear()
+        fwd.clear()
+        merge.clear()
         out, lse = _coded_attention_fwd(query, view, scaling=data["scaling"], v_precision_tau=None, tuning=tuning)
-        assert seen == want, (tuning, seen)
+        assert (fwd, merge) == want, (tuning, fwd, merge)
         assert out.dtype == dtype and out.shape == (case.B, case.Hq, case.Q, case.D)
         err = (out.double().cpu() - ref).abs().max().item()
         assert err <= 2 * err_ref + ATOL[dtype], f"{tuning}: kernel err {err:.3e}, reference err {err_ref:.3e}"

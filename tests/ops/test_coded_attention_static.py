@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from tests.ops.conftest import record_launches
 from tests.ops.test_coded_attention_kernels import ATOL, LSE_ATOL, Case, _build, _view
 from triton_ops.coded_attention import CellView, reference_coded_attention
 from triton_ops.quant import naive
@@ -280,20 +281,9 @@ def test_prior_merges_history_read_elsewhere(monkeypatch, case, final):
     CUDA or under `TRITON_INTERPRET=1`, within twice the fp32 reference's error); and a row whose prior read
     nothing (lse -inf, its out NaN) takes none of it. The kernel merges the prior in its one tail program (`FINAL`,
     the default for a ring this short) or, with `final_slots` 0, in the merge launch after the tail programs."""
-    from triton_ops.coded_attention import kernels
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
-    real, finals = kernels._coded_attention_fwd_kernel, []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                finals.append(kw["FINAL"])
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Recorder())
+    finals = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: kw["FINAL"])
 
     data = _build(case, torch.float32)
     full = _static_view(data, torch.float64)

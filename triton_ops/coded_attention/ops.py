@@ -535,8 +535,8 @@ def coded_attention(
 
     Same contract as `reference_coded_attention` (see there and README.md): on CUDA tensors with Triton installed it
     runs the split-history kernel (one launch, plus a page-maxima launch when V precision spans several splits, plus
-    the log-sum-exp merge; a view with no history pages and a short window is one launch, `TAIL_TUNING`); elsewhere, and for shapes the kernel does not take (a head dim below 16, or below 33
-    over coded history; a key page size that is not a power of two >= 16; fp64), the reference; a head dim that is
+    the log-sum-exp merge; a view with no history pages and a short window is one launch, `TAIL_TUNING`); elsewhere,
+    and for shapes the kernel does not take (a head dim below 16, or below 33 over coded history; a key page size that is not a power of two >= 16; fp64), the reference; a head dim that is
     no power of two (Huginn-0125's 96) is read in zero-padded tiles of the next power of two. The kernel path reads
     every view tensor in place through its strides (no `.contiguous()`, no decoded copy) and never reads a value
     back to the host, so it does not re-check `history_end` against the view (the reference does).
