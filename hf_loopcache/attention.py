@@ -203,17 +203,21 @@ def fixed_shape_attention_lse(
     storage, whose shapes and addresses do not change between calls: cuDNN builds its execution graph once per shape
     (see `_backends_without_cudnn`), and a CUDA graph replays it. None where it cannot run (not CUDA, cuDNN's SDPA off
     or absent, another dtype than fp16 / bf16, GQA)."""
-    op = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
-    if (
-        op is None
-        or not query.is_cuda
-        or query.dtype not in (torch.float16, torch.bfloat16)
-        or query.shape[1] != key.shape[1]
-        or not torch.backends.cuda.cudnn_sdp_enabled()
-    ):
+    if not fixed_shape_attention_takes(query, key):
         return None
-    out, lse = op(query, key, value, bias, True, scale=scaling)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, bias, True, scale=scaling)[:2]
     return out, lse.reshape(query.shape[:3])
+
+
+def fixed_shape_attention_takes(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `fixed_shape_attention_lse` runs for these tensors (a caller checks before it builds the bias)."""
+    return (
+        hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[1] == key.shape[1]
+        and torch.backends.cuda.cudnn_sdp_enabled()
+    )
 
 
 def _backends_without_cudnn() -> list[SDPBackend]:

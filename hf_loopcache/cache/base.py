@@ -578,6 +578,22 @@ class LoopCache(Cache):
             cached = self.__dict__["_rollback_order"] = (self.cells, order)
         return cached[1]
 
+    def _floor_groups(self) -> tuple[int, ...]:
+        """Which static windowed cells share a ring floor (`floor`: below it a cell reads its history, not its ring):
+        for each such cell the index of the first one with the same floor, `()` while they all share one. A shared
+        cell's cuDNN read builds one history bias per forward for the cells of one geometry and floor
+        (`StaticCodedSharedLayer._history_bias`), so a captured step holds while the cells that shared a floor at its
+        recording still do; a crop past the rings after a partial-depth draft moves the drafted planes' floors only.
+        `DecodeGraphs` keys its graphs by this."""
+        cached = self.__dict__.get("_floored")
+        if cached is None or cached[0] is not self.cells:
+            cached = self.__dict__["_floored"] = (self.cells, [c for c in self.cells if hasattr(c, "floor_t")])
+        floors = [cell.floor for cell in cached[1]]
+        if floors.count(floors[0] if floors else None) == len(floors):
+            return ()
+        first: dict[int, int] = {}
+        return tuple(first.setdefault(floor, i) for i, floor in enumerate(floors))
+
     def loop_lengths(self) -> list[int]:
         """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a
         draft of depth `d`, planes `< d` hold the draft positions and planes `>= d` do not."""

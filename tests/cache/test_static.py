@@ -314,6 +314,93 @@ def test_static_shared_cell_reads_what_its_ring_lost_from_the_source():
     torch.testing.assert_close(out, weights @ values)
 
 
+def _cpu_fixed_shape_attention_lse(query, key, value, bias, *, scaling):
+    """`fixed_shape_attention_lse` on the CPU (what cuDNN computes: SDPA with an additive bias, and its log-sum-exp)."""
+    scores = (query @ key.transpose(-1, -2)).float() * scaling + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ value.float()
+    return out.to(query.dtype), lse
+
+
+def _split_floors_logits(model, arch, device, steps):
+    """Logits of a RIPE(3) static cache's one-token steps before and after a crop past the rings that follows a
+    one-loop draft (the drafted plane's floors move to the cut, the others' stay), run by `steps` (the model eagerly,
+    or `DecodeGraphs`); also the cache."""
+    from hf_loopcache.cache.layers import StaticCodedSharedLayer
+
+    ids, mask = (t.to(device) for t in _prompt(2, True))
+    kw = call_kwargs(arch)
+    tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(3)).to(device)
+    cache = RIPECache(model, window=3, static=True, max_batch_size=2, max_cache_len=40)
+    model(input_ids=ids, attention_mask=mask, cache=cache, **kw)
+    out = []
+
+    def forward(i, **extra):
+        nonlocal mask
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        return steps(input_ids=tokens[:, i : i + 1], attention_mask=mask, past_key_values=cache, **extra, **kw)
+
+    for i in range(4):
+        out.append(forward(i).logits.float())
+    length = cache.get_seq_length()
+    for i in range(4, 7):  # drafts through the first loop only
+        forward(i, **{model.loop_kwarg: 1})
+    cache.rollback(length - 1)
+    mask = mask[:, : length - 1]
+    floors = {cell.floor for cell in cache.cells if isinstance(cell, StaticCodedSharedLayer)}
+    assert len(floors) == 2  # the drafted plane's rings were cut, the others' were not
+    for i in range(7, 12):
+        out.append(forward(i).logits.float())
+    return torch.cat(out, 1), cache
+
+
+def _cpu_fixed_shape_attention_lse(query, key, value, bias, *, scaling):
+    """`fixed_shape_attention_lse` on the CPU (what cuDNN computes: SDPA with an additive bias, and its log-sum-exp)."""
+    scores = (query @ key.transpose(-1, -2)).float() * scaling + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ value.float()
+    return out.to(query.dtype), lse
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_shared_reads_after_a_crop_that_splits_the_floors(arch, monkeypatch):
+    """A shared cell's cuDNN read builds one history bias per forward for the cells of one geometry and floor
+    (`_history_bias`, `read.memo`), so a captured step holds its bias for the cells whose floors were equal when it was
+    recorded. A crop past the rings after a partial-depth draft moves the drafted plane's floors and not the others':
+    the captured full step must then not replay one floor for both (the graph key holds which cells share a floor,
+    `LoopCache._floor_groups`: a second step is recorded). On the CPU with cuDNN's read and the graph replay stood
+    in for: every step's logits equal the same cache run eagerly (without the key: 0.37 off)."""
+    from hf_loopcache.cache.layers import static_coded
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(static_coded, "fixed_shape_attention_takes", lambda query, key: True)
+    monkeypatch.setattr(static_coded, "fixed_shape_attention_lse", _cpu_fixed_shape_attention_lse)
+    model = make_model(arch).float()
+    eager, _ = _split_floors_logits(model, arch, "cpu", functools.partial(model, **call_kwargs(arch)))
+    captured, cache = _split_floors_logits(model, arch, "cpu", DecodeGraphs(model))
+    split = [entry.graph.replays for key, entry in cache._graphs.items() if key[1] == 1 and key[5]]
+    assert split and split[0] >= 3  # the full step recorded again for the split floors, and replayed
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+
+
+@torch.no_grad()
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_shared_reads_after_a_crop_that_splits_the_floors_cuda(arch):
+    """The same on CUDA in bf16 with cuDNN's read and real CUDA graphs: captured logits equal eager ones."""
+    from hf_loopcache.models._graphs import DecodeGraphs
+
+    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
+        "n_embd": 256, "n_heads": 2}  # fmt: skip
+    model = make_model(arch, **wide).cuda().bfloat16()
+    eager, _ = _split_floors_logits(model, arch, "cuda", functools.partial(model, **call_kwargs(arch)))
+    captured, cache = _split_floors_logits(model, arch, "cuda", DecodeGraphs(model))
+    assert any(key[5] for key in cache._graphs)
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deepest_plane_step_reads_the_source_storage(arch, monkeypatch):
     """In a full forward's one-token step a deepest-plane cell writes its new key and value into its source's storage

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_loopcache.attention import dense_attention, fixed_shape_attention_lse
+from hf_loopcache.attention import dense_attention, fixed_shape_attention_lse, fixed_shape_attention_takes
 from hf_loopcache.cache.layers.static import (
     StaticDenseLayer,
     _StaticStorage,
@@ -935,11 +935,11 @@ class StaticCodedSharedLayer(_StaticWindowed):
         the view, merged by log-sum-exp. H200, Ouro-1.4B's shape, 8K: cuDNN reads a cell's 8K positions in 20 / 123 us
         at batch 1 / 8, the kernel's BF16 history path in 32 / 172 (README, session 25). Otherwise the kernel."""
         src = self.source
-        if self.history_read == "sdpa" and isinstance(src, StaticDenseLayer) and query.shape[2] == 1 and query.is_cuda:
+        if self.history_read == "sdpa" and isinstance(src, StaticDenseLayer) and query.shape[2] == 1:
             k, v = src._views()
-            prior = fixed_shape_attention_lse(query, k, v, self._history_bias(read, positions, history_end, k),
-                                              scaling=read.scaling)  # fmt: skip
-            if prior is not None:
+            if fixed_shape_attention_takes(query, k):
+                bias = self._history_bias(read, positions, history_end, k)
+                prior = fixed_shape_attention_lse(query, k, v, bias, scaling=read.scaling)
                 view = self._view(key, value, read, positions, history_end, history=False)
                 return coded_attention(query, view, scaling=read.scaling, prior=prior)[0]
         return super()._read(query, key, value, read, positions, history_end)
@@ -947,7 +947,8 @@ class StaticCodedSharedLayer(_StaticWindowed):
     def _history_bias(self, read: ReadState, positions: torch.Tensor, history_end: torch.Tensor, k: torch.Tensor):
         """`[B, 1, 1, L]` additive bias over the source's `L` stored positions: 0 where a row reads the position from
         the history (`[S, history_end)`, a real token), -inf elsewhere; the same for every shared cell of the forward
-        with this geometry (`read.memo`)."""
+        with this geometry and floor (`read.memo`; a captured step keeps it for the cells that shared a floor at its
+        recording, so its graph key holds which cells do: `LoopCache._floor_groups`)."""
         key = ("static-shared-history-bias", self._hist_key(read, positions, False), self.floor, k.shape[2], k.dtype)
         bias = read.memo.get(key)
         if bias is None:
