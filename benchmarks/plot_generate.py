@@ -1,7 +1,8 @@
 """Plot `benchmarks.run generate` results: decode tokens/s and peak memory per cache and batch.
 
 `python -m benchmarks.plot_generate benchmarks/results/<name>.json [...] --out benchmarks/results/<name>.png`; a
-configuration found in several files is drawn from the last file that has it.
+configuration found in several files is drawn from the last file that has it. `<name>.json=LABEL` adds LABEL to the
+names of that file's rows (an A/B whose two sides ran as two processes, e.g. one with a change patched out).
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ def _name(row: dict) -> str:
     return name + (", no one-launch read" if row.get("one_launch") is False else "")
 
 
+def _rows(results: list[str]) -> list[dict]:
+    """The rows to draw from `results` (`path` or `path=LABEL`): a configuration measured in several files is drawn
+    from the later file; a LABEL is added to its file's cache names."""
+    latest: dict[tuple, dict] = {}
+    for f in results:
+        f, _, label = f.partition("=")
+        for r in json.loads(Path(f).read_text())["rows"]:
+            if r.get("status") == "ok":
+                r = {**r, "cache": f"{r['cache']}, {label}"} if label else r
+                latest[(r["shape"], r["model"], _name(r), r["batch"], r["context"])] = r
+    return list(latest.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("results", nargs="+", help="result JSON files written by `benchmarks.run generate`")
@@ -33,12 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    latest: dict[tuple, dict] = {}  # a configuration measured in several files: the later file's row is drawn
-    for f in args.results:
-        for r in json.loads(Path(f).read_text())["rows"]:
-            if r.get("status") == "ok":
-                latest[(r["shape"], r["model"], _name(r), r["batch"], r["context"])] = r
-    rows = list(latest.values())
+    rows = _rows(args.results)
     shapes = sorted({r["shape"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     longest = {shape: max(r["context"] for r in rows if r["shape"] == shape) for shape in shapes}

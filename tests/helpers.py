@@ -94,8 +94,9 @@ def device_state(cache) -> list[torch.Tensor]:
 
 
 def host_state(cache) -> list[dict]:
-    """Every cell's host-side scalars (lengths, ring bounds, floors: the Python ints and bools a step's host code reads
-    and writes), by flat index."""
+    """Every cell's host-side scalars (lengths, ring bounds, floors: the Python ints, bools and floats a step's host
+    code reads and writes), by flat index. Written out here, not `LoopCache._host_state`, so that the tests of what a
+    recording restores do not read it through the code they test."""
     return [
         {name: value for name, value in vars(layer).items() if type(value) in (int, bool, float)}
         for layer in cache.cells

@@ -98,3 +98,20 @@ def test_fuse_kv_rows_compare_with_it_off(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
     assert [r["fuse_kv"] for r in rows] == [False, True] and GEMV_TUNING["fuse_kv"] is before
     assert rows[1]["tokens_equal_fuse_kv_off"] is True and "tokens_equal_fuse_kv_off" not in rows[0]
+
+
+def test_plot_rows_keep_a_labelled_file_apart(tmp_path):
+    """`plot_generate`'s `path=LABEL` (an A/B run as two processes): the labelled file's rows are drawn beside the
+    other file's under their own name, where the same configuration in two plain files is drawn once (the later)."""
+    import json
+
+    from benchmarks.plot_generate import _rows
+
+    row = {"status": "ok", "shape": "ouro-1.4b", "model": "looped", "cache": "ripe64", "mode": "graph", "batch": 1,
+           "context": 8192, "decode_tokens_per_s": 1.0}  # fmt: skip
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": [row]}))
+    b.write_text(json.dumps({"rows": [{**row, "decode_tokens_per_s": 2.0}]}))
+    assert [r["decode_tokens_per_s"] for r in _rows([str(a), str(b)])] == [2.0]
+    got = sorted((r["cache"], r["decode_tokens_per_s"]) for r in _rows([f"{a}=patched", str(b)]))
+    assert got == [("ripe64", 2.0), ("ripe64, patched", 1.0)]

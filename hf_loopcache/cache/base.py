@@ -493,9 +493,15 @@ class LoopCache(Cache):
     def _host_lengths(self) -> list[int]:
         return list(map(_LENGTH, self.cells))
 
-    def _restore_host_lengths(self, lengths: list[int]) -> None:
-        for layer, length in zip(self.cells, lengths):
-            layer.length = length
+    def _host_state(self) -> list[dict[str, Any]]:
+        """Every cell's host-side scalars (length, ring bounds, floor: the ints, bools and floats a step's host code
+        reads and writes), for `_restore_host_state` after a CUDA graph's recording, which runs the step's host side
+        once more than the device side (a ring bound left advanced there would send a later crop down the deep path)."""
+        return [{k: v for k, v in vars(layer).items() if type(v) in (int, bool, float)} for layer in self.cells]
+
+    def _restore_host_state(self, state: list[dict[str, Any]]) -> None:
+        for layer, saved in zip(self.cells, state):
+            vars(layer).update(saved)
 
     def _sync_device_length(self) -> None:
         if self._length_t is not None:
@@ -579,20 +585,20 @@ class LoopCache(Cache):
         return cached[1]
 
     def _floor_groups(self) -> tuple[int, ...]:
-        """Which static windowed cells share a ring floor (`floor`: below it a cell reads its history, not its ring):
-        for each such cell the index of the first one with the same floor, `()` while they all share one. A shared
-        cell's cuDNN read builds one history bias per forward for the cells of one geometry and floor
-        (`StaticCodedSharedLayer._history_bias`), so a captured step holds while the cells that shared a floor at its
-        recording still do; a crop past the rings after a partial-depth draft moves the drafted planes' floors only.
-        `DecodeGraphs` keys its graphs by this."""
-        cached = self.__dict__.get("_floored")
+        """Which static windowed cells have a ring floor above their sink (`floor`: below it a cell reads its history,
+        not its ring; it leaves the sink only after a crop past the ring), and which of those share one: for each
+        such cell the index of the first one with the same floor, -1 for a cell at its sink; `()` while every cell
+        is at its sink. A captured step holds both: a cell at its sink skips the raise to its floor (a host branch,
+        `_floored`), and a shared cell's cuDNN read builds one history bias per forward for the cells of one geometry
+        and floor (`StaticCodedSharedLayer._history_bias`); a crop past the rings after a partial-depth draft moves
+        the drafted plane's floors only. `DecodeGraphs` keys its graphs by this."""
+        cached = self.__dict__.get("_floor_cells")
         if cached is None or cached[0] is not self.cells:
-            cached = self.__dict__["_floored"] = (self.cells, [c for c in self.cells if hasattr(c, "floor_t")])
-        floors = [cell.floor for cell in cached[1]]
-        if floors.count(floors[0] if floors else None) == len(floors):
+            cached = self.__dict__["_floor_cells"] = (self.cells, [c for c in self.cells if hasattr(c, "floor_t")])
+        if all(cell.floor == cell.sink for cell in cached[1]):
             return ()
         first: dict[int, int] = {}
-        return tuple(first.setdefault(floor, i) for i, floor in enumerate(floors))
+        return tuple(first.setdefault(c.floor, i) if c.floor > c.sink else -1 for i, c in enumerate(cached[1]))
 
     def loop_lengths(self) -> list[int]:
         """Positions each core plane holds, `[plane 0, ..., plane R-1]` (the fewest over the plane's cells). After a

@@ -172,7 +172,7 @@ class DecodeGraphs:
         # the warm-up is this step, run eagerly (it writes the cache)
         before = cache._host_lengths()
         logits = self._warm_up(lambda: self._forward(entry, cache, kwargs).logits.clone())
-        lengths = cache._host_lengths()
+        lengths, host = cache._host_lengths(), cache._host_state()
         entry.written = [after - earlier for after, earlier in zip(lengths, before)]
         entry.advances = cache._host_advances(entry.written)
         cells = [i for i, n in enumerate(entry.written) if n]
@@ -186,7 +186,7 @@ class DecodeGraphs:
             cache._graphs[key] = None
             return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})
         finally:
-            cache._restore_host_lengths(lengths)  # the recording ran the host side of the step once more
+            cache._restore_host_state(host)  # the recording ran the host side of the step once more
         cache._graphs[key] = entry
         entry.capture_s = time.perf_counter() - start
         return CausalLMOutputWithPast(logits=logits, **{OUTPUT_CACHE_FIELD: cache})

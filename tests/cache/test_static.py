@@ -322,10 +322,10 @@ def _cpu_fixed_shape_attention_lse(query, key, value, bias, *, scaling):
     return out.to(query.dtype), lse
 
 
-def _split_floors_logits(model, arch, device, steps):
-    """Logits of a RIPE(3) static cache's one-token steps before and after a crop past the rings that follows a
-    one-loop draft (the drafted plane's floors move to the cut, the others' stay), run by `steps` (the model eagerly,
-    or `DecodeGraphs`); also the cache."""
+def _split_floors_logits(model, arch, device, steps, draft=True):
+    """Logits of a RIPE(3) static cache's one-token steps before and after a crop past the rings, run by `steps` (the
+    model eagerly, or `DecodeGraphs`); also the cache. `draft`: the crop follows a one-loop draft, and the drafted
+    plane's floors move to the cut while the others' stay at the sink; else every plane's floor moves."""
     from hf_loopcache.cache.layers import StaticCodedSharedLayer
 
     ids, mask = (t.to(device) for t in _prompt(2, True))
@@ -343,12 +343,13 @@ def _split_floors_logits(model, arch, device, steps):
     for i in range(4):
         out.append(forward(i).logits.float())
     length = cache.get_seq_length()
-    for i in range(4, 7):  # drafts through the first loop only
-        forward(i, **{model.loop_kwarg: 1})
-    cache.rollback(length - 1)
-    mask = mask[:, : length - 1]
+    for i in range(4, 7):  # drafts through the first loop only, or full steps
+        forward(i, **({model.loop_kwarg: 1} if draft else {}))
+    cut = length - 1 if draft else length - 2
+    cache.rollback(cut)
+    mask = mask[:, :cut]
     floors = {cell.floor for cell in cache.cells if isinstance(cell, StaticCodedSharedLayer)}
-    assert len(floors) == 2  # the drafted plane's rings were cut, the others' were not
+    assert floors == ({0, cut} if draft else {cut})  # the drafted plane's rings were cut, the others' were not
     for i in range(7, 12):
         out.append(forward(i).logits.float())
     return torch.cat(out, 1), cache
@@ -363,14 +364,16 @@ def _cpu_fixed_shape_attention_lse(query, key, value, bias, *, scaling):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("draft", [True, False], ids=["split", "moved"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_captured_shared_reads_after_a_crop_that_splits_the_floors(arch, monkeypatch):
+def test_captured_shared_reads_after_a_crop_that_splits_the_floors(arch, draft, monkeypatch):
     """A shared cell's cuDNN read builds one history bias per forward for the cells of one geometry and floor
     (`_history_bias`, `read.memo`), so a captured step holds its bias for the cells whose floors were equal when it was
     recorded. A crop past the rings after a partial-depth draft moves the drafted plane's floors and not the others':
     the captured full step must then not replay one floor for both (the graph key holds which cells share a floor,
-    `LoopCache._floor_groups`: a second step is recorded). On the CPU with cuDNN's read and the graph replay stood
-    in for: every step's logits equal the same cache run eagerly (without the key: 0.37 off)."""
+    `LoopCache._floor_groups`: a second step is recorded). A crop past every ring moves every floor above the sink,
+    which a step recorded before skips (`_floored`): recorded again too. On the CPU with cuDNN's read and the graph
+    replay stood in for: every step's logits equal the same cache run eagerly (without the key: 0.37 off)."""
     from hf_loopcache.cache.layers import static_coded
     from hf_loopcache.models._graphs import DecodeGraphs
 
@@ -378,8 +381,8 @@ def test_captured_shared_reads_after_a_crop_that_splits_the_floors(arch, monkeyp
     monkeypatch.setattr(static_coded, "fixed_shape_attention_takes", lambda query, key: True)
     monkeypatch.setattr(static_coded, "fixed_shape_attention_lse", _cpu_fixed_shape_attention_lse)
     model = make_model(arch).float()
-    eager, _ = _split_floors_logits(model, arch, "cpu", functools.partial(model, **call_kwargs(arch)))
-    captured, cache = _split_floors_logits(model, arch, "cpu", DecodeGraphs(model))
+    eager, _ = _split_floors_logits(model, arch, "cpu", functools.partial(model, **call_kwargs(arch)), draft)
+    captured, cache = _split_floors_logits(model, arch, "cpu", DecodeGraphs(model), draft)
     split = [entry.graph.replays for key, entry in cache._graphs.items() if key[1] == 1 and key[5]]
     assert split and split[0] >= 3  # the full step recorded again for the split floors, and replayed
     torch.testing.assert_close(captured, eager, rtol=0, atol=0)
@@ -403,11 +406,12 @@ def test_captured_shared_reads_after_a_crop_that_splits_the_floors_cuda(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deepest_plane_step_reads_the_source_storage(arch, monkeypatch):
-    """In a full forward's one-token step a deepest-plane cell writes its new key and value into its source's storage
-    as well as its ring (one write) and is read by the source's own read (`StaticCodedSharedLayer.
-    _reads_whole_source`): every shared cell takes it at every decode step, and the logits equal, in fp64 over a
-    left-padded batch, those of the read it replaces (`history_read = "kernel"`: the source's history and the ring
-    and new token through `coded_attention`); the source's own positions are what it wrote."""
+    """In a full forward (a one-token step, a verification block) a deepest-plane cell writes its new keys and values
+    into its source's storage as well as its ring (one write) and is read by the source's own read
+    (`StaticCodedSharedLayer._reads_whole_source`): every shared cell takes it at every decode step and block, and
+    the logits equal, in fp64 over a left-padded batch, those of the read it replaces (`history_read = "kernel"`: the
+    source's history and the ring and new tokens through `coded_attention`), with a hole in a row too; the source's
+    own positions are what it wrote; drafts read as before."""
     from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 
     model = make_model(arch).double()
@@ -454,6 +458,52 @@ def test_deepest_plane_step_reads_the_source_storage(arch, monkeypatch):
         logits[history_read] = torch.cat(steps, dim=1)
     assert not any(taken)
     torch.testing.assert_close(logits["sdpa"], logits["kernel"], rtol=0, atol=1e-10)
+    # verification blocks (full forwards of 3 tokens, the second with a hole in a row): read by the source's read too
+    for history_read in ("kernel", "sdpa"):
+        monkeypatch.setattr(StaticCodedSharedLayer, "history_read", history_read)
+        taken.clear()
+        logits[history_read] = _deepest_block_logits(model, arch, ids, mask)
+        assert taken.count(True) == (2 * shared if history_read == "sdpa" else 0)
+    torch.testing.assert_close(logits["sdpa"], logits["kernel"], rtol=0, atol=1e-10)
+
+
+@torch.no_grad()
+def _deepest_block_logits(model, arch, ids, mask):
+    """Logits of two verification blocks of 3 tokens over a static deepest-plane cache after the prompt; in the second
+    block row 1 has rejected the first block's last token (a hole)."""
+    cache = DeepestPlaneCache(model, static=True, max_batch_size=3, max_cache_len=24)
+    cache.set_max_rollback(3)
+    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, **call_kwargs(arch))
+    grown, steps = torch.cat([mask, torch.ones_like(mask[:, :3])], dim=1), []
+    steps.append(model(ids[:, 2:5], attention_mask=grown, past_key_values=cache, **call_kwargs(arch)).logits)
+    grown = torch.cat([grown, torch.ones_like(mask[:, :3])], dim=1)
+    grown[1, -4] = 0  # row 1 rejected the last token of the first block
+    steps.append(model(ids[:, 5:8], attention_mask=grown, past_key_values=cache, **call_kwargs(arch)).logits)
+    return torch.cat(steps, dim=1).float()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deepest_plane_blocks_read_the_source_storage_cuda(arch, monkeypatch):
+    """On CUDA, a deepest-plane verification block read by the source's read (the kernel over the source's storage
+    and the block) against the read it replaces: equal within fp32 rounding in fp32, and in bf16 no further from
+    the fp32 result than twice the replaced read's error."""
+    from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
+
+    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
+        "n_embd": 256, "n_heads": 2}  # fmt: skip
+    model = make_model(arch, **wide).cuda()
+    ids, mask = (t.cuda() for t in _prompt(3, True))
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        for whole in (False, True):
+            monkeypatch.setattr(StaticCodedSharedLayer, "whole_source", whole)
+            logits[dtype, whole] = _deepest_block_logits(model, arch, ids, mask)
+    exact = logits[torch.float32, False]
+    torch.testing.assert_close(logits[torch.float32, True], exact, rtol=0, atol=1e-4)
+    err = {whole: (logits[torch.bfloat16, whole] - exact).abs().max().item() for whole in (False, True)}
+    assert err[True] <= 2 * err[False] + 1e-3, err
 
 
 def test_decode_graphs_fall_back_to_eager_when_capture_fails(monkeypatch):

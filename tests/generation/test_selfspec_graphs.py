@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, RIPECache, build_cache, self_speculative_generate
 from hf_loopcache.cache.read import effective_positions
-from tests.helpers import call_kwargs, make_model, stand_in_graphs
+from tests.helpers import call_kwargs, host_state, make_model, stand_in_graphs
 
 GAMMA = 3
 CACHES = {
@@ -63,17 +63,22 @@ def test_captured_drafts_and_verifications_equal_sequential_greedy(monkeypatch, 
     sequential = _spec(model, arch, CACHES[name](model), ids, mask, block_size=0)  # `block_size` 0: plain greedy
     cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=80)
     eager = _spec(model, arch, cache, ids, mask, disable_compile=True)
+    eager_host = host_state(cache)
     assert not cache._graphs
     cache.reset()
     captured = _spec(model, arch, cache, ids, mask)
+    # the recordings ran the host side of their steps once more: undone (ring bounds and floors as eager left them)
+    assert host_state(cache) == eager_host
     kinds = {(key[0], key[1], dict(key[-1]).get(model.loop_kwarg)) for key in cache._graphs}
     draft, loops = model.loop_layout.num_loops - 1, model.loop_layout.num_loops
     assert (3, 1, draft) in kinds and (3, GAMMA + 1, None) in kinds  # drafts and full-depth verifications
     replays = sum(entry.graph.replays for entry in cache._graphs.values())
     assert replays > 10
     cache.reset()
+    recorded = len(cache._graphs)
     again = _spec(model, arch, cache, ids, mask)
-    assert sum(entry.graph.replays for entry in cache._graphs.values()) > 2 * replays  # nothing recorded anew
+    assert len(cache._graphs) == recorded  # nothing recorded anew
+    assert sum(entry.graph.replays for entry in cache._graphs.values()) > 2 * replays
     assert torch.equal(captured, eager) and torch.equal(again, eager)
     if name in EXACT:
         assert torch.equal(eager, sequential)

@@ -247,16 +247,18 @@ class _StaticWindowed(_StaticStorage):
         return ends
 
     def _ring_low(self, held: torch.Tensor) -> torch.Tensor:
-        """The oldest position the ring surely holds while the cell holds `held` positions (`[1]`, device): the ring
-        keeps the last `C` positions written, and up to `R` of those may have been cut by a crop since."""
-        return (held - (self.capacity - self.rollback)).clamp(min=0)
+        """The oldest position past the sink that the ring surely holds while the cell holds `held` positions (`[1]`,
+        device): the ring keeps the last `C` positions written, and up to `R` of those may have been cut by a crop
+        since; positions below `S` are the sink's."""
+        return (held - (self.capacity - self.rollback)).clamp(min=self.sink)
 
     def _history_end(
         self, read: ReadState, positions: torch.Tensor, limit: torch.Tensor, held: torch.Tensor
     ) -> torch.Tensor:
         """`history_end` `[B, q]` of the queries at `positions` (before this cell's `floor`): `_row_ends` clamped, as
         `WindowedLayer.history_ends` clamps them, to what the history can serve (`limit`, a device value) and never
-        below what the ring no longer holds (`_ring_low` of the `held` positions)."""
+        below what the ring no longer holds (`_ring_low` of the `held` positions) nor below the sink (the cell's
+        floor while no crop has moved it: `_floored`)."""
         return torch.maximum(torch.minimum(self._row_ends(read, positions), limit), self._ring_low(held))
 
     def _view(self, key, value, read, positions, history_end: torch.Tensor, history: bool = True) -> CellView:
@@ -352,6 +354,12 @@ class _StaticWindowed(_StaticStorage):
         return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)
 
     # ------------------------------------------------------------------ crop, batch, reset
+    def _floored(self, hist: torch.Tensor) -> torch.Tensor:
+        """The history ends `hist` (at least `S`) raised to the cell's floor, which is above `S` only after a crop past
+        the ring: a per-cell launch then only (a captured step holds this host branch, so its graph key holds which
+        cells' floors are above their sinks: `LoopCache._floor_groups`)."""
+        return torch.maximum(hist, self.floor_t) if self.floor > self.sink else hist  # type: ignore[arg-type]
+
     def _set_floor(self, floor: int) -> None:
         self.floor = floor
         if self.floor_t is not None:
@@ -707,7 +715,7 @@ class StaticCodedLayer(_StaticWindowed):
                 self.length = n
             return out
         self.prepare(read, positions)
-        hist = torch.maximum(self._geometry(read, positions)["hist"], self.floor_t)  # type: ignore[arg-type]
+        hist = self._floored(self._geometry(read, positions)["hist"])
         out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
@@ -850,9 +858,10 @@ class StaticCodedSharedLayer(_StaticWindowed):
     #: `coded_attention`'s `prior`; the kernel where cuDNN cannot run it) or `"kernel"` (all of it in the kernel)
     history_read = "sdpa"
 
-    #: whether the deepest plane's one-token step of a full forward is read by its source's own read, the new key and
-    #: value written into the source's storage too (`_reads_whole_source`; with `history_read = "sdpa"`); False: as
-    #: RIPE's cells, cuDNN over the source's history merged with the kernel's read of the ring and the new token
+    #: whether the deepest plane's full forwards (a one-token step, a verification block) are read by the source's
+    #: own read, the new keys and values written into the source's storage too (`_reads_whole_source`; with
+    #: `history_read = "sdpa"`); False: as RIPE's cells, cuDNN over the source's history merged with the kernel's read
+    #: of the ring and the new token, and a block through the kernel over the source's history, ring and block
     whole_source = True
 
     def __init__(
@@ -906,28 +915,31 @@ class StaticCodedSharedLayer(_StaticWindowed):
         if self.length == 0:
             return self._prefill(query, key, value, read, positions)
         if self._reads_whole_source(query, read):
-            # the deepest plane's one-token step in a full forward: every earlier position is the source's, so the new
-            # key and value go into the source's storage at their position too (in the ring's launch; the source
-            # writes its own there later in this forward) and the source's own read serves this cell: cuDNN over the
-            # storage, no read of the ring, no merge (H200, README, session 26)
+            # the deepest plane in a full forward: every earlier position is the source's, so the new keys and values
+            # go into the source's storage at their positions too (in the ring's launch; the source writes its own
+            # there later in this forward) and the source's own read serves this cell: a one-token step by cuDNN over
+            # the storage, no read of the ring, no merge (H200, README, session 26); a verification block by the
+            # kernel over the storage up to the block and the block itself, as the source's own block (session 27)
             k, v = self.source._views()
             self._store(key, value, positions, also=(k, v))
             return self.source.read_storage(query, key, value, read, positions)
         coded = isinstance(self.source, StaticCodedLayer)
         if coded:
             self.source.prepare(read, positions)  # the source codes the pages its readers need
-        hist = torch.maximum(self._hist(read, positions, coded), self.floor_t)  # type: ignore[arg-type]
+        hist = self._floored(self._hist(read, positions, coded))
         out = self._read(query, key, value, read, positions, hist)
         self._store(key, value, positions)
         return out
 
     def _reads_whole_source(self, query: torch.Tensor, read: ReadState) -> bool:
-        """Whether this forward's read is the source's read with this cell's new token in it: no window and no sink
-        (the deepest plane: `W = 0`, `P = 1`), a BF16 source, one new token of a full forward (every loop runs, so
-        the source holds every earlier position and writes this one after this cell, at the same slot), and
-        `history_read = "sdpa"` with `whole_source`. Drafts and verification blocks read as before."""
+        """Whether this forward's read is the source's read with this cell's new tokens in it: no window and no sink
+        (the deepest plane: `W = 0`, `P = 1`: a query at `e` reads every position below the forward's first from the
+        source and the forward's own up to `e`, as the source's own query does), a BF16 source, a full forward (a
+        one-token step or a verification block: every loop runs, so the source holds every earlier position and
+        writes the forward's after this cell, at the same slots), and `history_read = "sdpa"` with `whole_source`.
+        Drafts (the source does not run) read as before."""
         return (self.window == 0 and self.page == 1 and self.sink == 0 and isinstance(self.source, StaticDenseLayer)
-                and read.complete and query.shape[2] == 1 and self.history_read == "sdpa" and self.whole_source)  # fmt: skip
+                and read.complete and self.history_read == "sdpa" and self.whole_source)  # fmt: skip
 
     def _read(self, query, key, value, read, positions, history_end):
         """A one-token step over a BF16 source: cuDNN over the source's storage to each row's history end (one
