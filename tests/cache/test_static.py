@@ -349,18 +349,10 @@ def _split_floors_logits(model, arch, device, steps, draft=True):
     cache.rollback(cut)
     mask = mask[:, :cut]
     floors = {cell.floor for cell in cache.cells if isinstance(cell, StaticCodedSharedLayer)}
-    assert floors == ({0, cut} if draft else {cut})  # the drafted plane's rings were cut, the others' were not
+    assert floors == ({0, cut} if draft else {cut})  # a draft: its plane's rings were cut, the others' were not
     for i in range(7, 12):
         out.append(forward(i).logits.float())
     return torch.cat(out, 1), cache
-
-
-def _cpu_fixed_shape_attention_lse(query, key, value, bias, *, scaling):
-    """`fixed_shape_attention_lse` on the CPU (what cuDNN computes: SDPA with an additive bias, and its log-sum-exp)."""
-    scores = (query @ key.transpose(-1, -2)).float() * scaling + bias.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ value.float()
-    return out.to(query.dtype), lse
 
 
 @torch.no_grad()
