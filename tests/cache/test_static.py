@@ -322,6 +322,13 @@ def _cpu_fixed_shape_attention_lse(query, key, value, bias, *, scaling):
     return out.to(query.dtype), lse
 
 
+def _wide_cuda_model(arch):
+    """A random model on CUDA with heads of 128 (what cuDNN's SDPA and the kernel's tiles take), in fp32."""
+    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
+        "n_embd": 256, "n_heads": 2}  # fmt: skip
+    return make_model(arch, **wide).cuda()
+
+
 def _split_floors_logits(model, arch, device, steps, draft=True):
     """Logits of a RIPE(3) static cache's one-token steps before and after a crop past the rings, run by `steps` (the
     model eagerly, or `DecodeGraphs`); also the cache. `draft`: the crop follows a one-loop draft, and the drafted
@@ -387,9 +394,7 @@ def test_captured_shared_reads_after_a_crop_that_splits_the_floors_cuda(arch):
     """The same on CUDA in bf16 with cuDNN's read and real CUDA graphs: captured logits equal eager ones."""
     from hf_loopcache.models._graphs import DecodeGraphs
 
-    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
-        "n_embd": 256, "n_heads": 2}  # fmt: skip
-    model = make_model(arch, **wide).cuda().bfloat16()
+    model = _wide_cuda_model(arch).bfloat16()
     eager, _ = _split_floors_logits(model, arch, "cuda", functools.partial(model, **call_kwargs(arch)))
     captured, cache = _split_floors_logits(model, arch, "cuda", DecodeGraphs(model))
     assert any(key[5] for key in cache._graphs)
@@ -482,9 +487,7 @@ def test_deepest_plane_blocks_read_the_source_storage_cuda(arch, monkeypatch):
     the fp32 result than twice the replaced read's error."""
     from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 
-    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
-        "n_embd": 256, "n_heads": 2}  # fmt: skip
-    model = make_model(arch, **wide).cuda()
+    model = _wide_cuda_model(arch)
     ids, mask = (t.cuda() for t in _prompt(3, True))
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -566,9 +569,7 @@ def test_shared_cells_read_a_bf16_source_through_cudnn_cuda(arch, kind, monkeypa
     monkeypatch.setattr(StaticCodedSharedLayer, "whole_source", kind == "deepest-whole")
     merged = kind != "deepest-whole"
 
-    wide = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2} if arch == "ouro" else {
-        "n_embd": 256, "n_heads": 2}  # fmt: skip
-    model = make_model(arch, **wide).cuda()
+    model = _wide_cuda_model(arch)
     ids, mask = (t.cuda() for t in _prompt(2, True, length=21))
     tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(static=True, max_batch_size=2, max_cache_len=64)
