@@ -340,3 +340,15 @@ def test_decode_step_values_shared_across_cells_once_per_forward(name):
     assert len(kinds["static-row-ends"]) == 1 and len(kinds["static-effective"]) == 1
     if any(isinstance(c, StaticCodedSharedLayer) for c in cells):
         assert 1 <= len(kinds["static-shared-hist"]) <= len(rings)
+
+
+@pytest.mark.parametrize("name", ["kivi4", "kivi4-share"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_loopkv_prompt_shorter_than_the_sink_fp64(arch, name):
+    """A one-token prompt with a sink of 2: the first step reads a sink that is not full yet (its history and ring
+    hold nothing); every logit of every step equals the growable cache's in fp64."""
+    model = _model(arch).double()
+    ids, mask = _prompt(2, False, length=1)
+    expected = _generate(model, arch, ids, mask, _cache(model, name), new=12)
+    got = _generate(model, arch, ids, mask, _cache(model, name, static=True, max_batch_size=2, max_cache_len=16), new=12)
+    _same(got, expected, atol=1e-10)
