@@ -352,3 +352,17 @@ def test_static_loopkv_prompt_shorter_than_the_sink_fp64(arch, name):
     expected = _generate(model, arch, ids, mask, _cache(model, name), new=12)
     got = _generate(model, arch, ids, mask, _cache(model, name, static=True, max_batch_size=2, max_cache_len=16), new=12)
     _same(got, expected, atol=1e-10)
+
+
+@pytest.mark.parametrize("tau", [None, 1.0], ids=["both-planes", "vprec"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_loopkv_capacity_under_the_sink_fp64(arch, tau):
+    """A static cache whose capacity (16 positions) is under the plan's sink (32): its sink buffer outlasts the
+    padding mask, which the read must not index past (it did on the CPU path: `IndexError`); every logit equals the
+    growable cache's in fp64, padded batch, with and without V precision."""
+    model = _model(arch).double()
+    ids, mask = _prompt(2, True, length=6)
+    plan = loopkv_preset(model.loop_layout, "kivi4", sink=32, window=4, page_size=4, group_size=8)
+    expected = _generate(model, arch, ids, mask, LoopKVCache(model, plan, tau=tau), new=8)
+    static = LoopKVCache(model, plan, tau=tau, static=True, max_batch_size=2, max_cache_len=16)
+    _same(_generate(model, arch, ids, mask, static, new=8), expected, atol=1e-10)

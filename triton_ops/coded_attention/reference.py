@@ -185,6 +185,8 @@ def reference_coded_attention(
     if view.sink_length:
         pos = torch.arange(view.sink_length, device=device)
         held = (pos < n)[None, None, None, None, :] if static else None  # a static sink may not be full yet
+        if static and valid is not None:  # its buffer may outlast the padding mask (a capacity under the sink)
+            pos = pos.clamp(max=valid.shape[1] - 1)
         s = masked(_scores(qf, view.sink_key.to(acc), scaling), visible(pos, held))
         seed = s.amax(-1)  # [B, Hkv, G, q]: seeds the V-precision running maximum
         parts.add(s, view.sink_value.to(acc))
