@@ -45,7 +45,9 @@ for `coded_attention`'s one-launch read of a view with no history to split (`TAI
 the deepest plane's shared cells in a one-token step, whose history cuDNN reads; row `one_launch`,
 `tokens_equal_one_launch_off`; pass `off on`), and `--whole-source on off` for the deepest plane's one-token step
 read by its source's own read (`StaticCodedSharedLayer.whole_source`; row `whole_source`,
-`tokens_equal_whole_source_off`; pass `off on`).
+`tokens_equal_whole_source_off`; pass `off on`). `--vprec-lookback off on` the same for V precision over a split
+history in one launch (`ROW1_TUNING["vprec_lookback"]`: the `kivi4-vp` cache; row `vprec_lookback`,
+`tokens_equal_vprec_lookback_off`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from hf_loopcache.cache.layers.static import StaticDenseLayer
 from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 from triton_ops import fused
 from triton_ops._dispatch import PDL, pdl_options
-from triton_ops.coded_attention.ops import TAIL_TUNING
+from triton_ops.coded_attention.ops import ROW1_TUNING, TAIL_TUNING
 from triton_ops.gemv import GEMV_TUNING
 
 CACHES = {  # keyword options: `static`, `max_batch_size`, `max_cache_len` (the `static` and `graph` modes)
@@ -229,6 +231,7 @@ def run_one(
         "fuse_kv": bool(GEMV_TUNING["fuse_kv"]) if not peer else None,
         "one_launch": bool(TAIL_TUNING["final_slots"]) if not peer else None,
         "whole_source": StaticCodedSharedLayer.whole_source if mode != "eager" and not peer else None,
+        "vprec_lookback": bool(ROW1_TUNING["vprec_lookback"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -333,7 +336,8 @@ def run_one(
             switches = (("defer_stop", defer_stop), ("fuse_kv", bool(GEMV_TUNING["fuse_kv"])),
                         ("shared_sdpa", StaticCodedSharedLayer.history_read == "sdpa"),
                         ("one_launch", bool(TAIL_TUNING["final_slots"])),
-                        ("whole_source", StaticCodedSharedLayer.whole_source))  # fmt: skip
+                        ("whole_source", StaticCodedSharedLayer.whole_source),
+                        ("vprec_lookback", bool(ROW1_TUNING["vprec_lookback"])))  # fmt: skip
             for name, on in switches:
                 if not on:
                     reference[(*key, mode, f"{name}_off")] = out.cpu()
@@ -506,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--whole-source", nargs="+", default=["on"], choices=("on", "off"),
                         help="the deepest plane's one-token step is read by its source's own read (on) or as RIPE's "
                              "(StaticCodedSharedLayer.whole_source)")
+    parser.add_argument("--vprec-lookback", nargs="+", default=["off"], choices=("on", "off"),
+                        help="V precision over a split history in one launch (on) or two (off) "
+                             "(ROW1_TUNING['vprec_lookback'])")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -559,9 +566,9 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one, whole in itertools.product(
+                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one, whole, look in itertools.product(
                     modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
-                    args.defer_stop, args.shared_read, args.one_launch, args.whole_source
+                    args.defer_stop, args.shared_read, args.one_launch, args.whole_source, args.vprec_lookback
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
@@ -569,8 +576,9 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     start = time.perf_counter()
                     before = (PDL["enabled"], dict(GEMV_TUNING), StaticCodedSharedLayer.history_read, dict(TAIL_TUNING),
-                              StaticCodedSharedLayer.whole_source)
+                              StaticCodedSharedLayer.whole_source, dict(ROW1_TUNING))
                     StaticCodedSharedLayer.whole_source = whole == "on"
+                    ROW1_TUNING["vprec_lookback"] = look == "on"
                     if one == "off":
                         TAIL_TUNING["final_slots"] = 0
                     PDL["enabled"] = pdl == "on"
@@ -589,6 +597,7 @@ def main(argv: list[str] | None = None) -> None:
                         StaticCodedSharedLayer.history_read = before[2]
                         TAIL_TUNING.update(before[3])
                         StaticCodedSharedLayer.whole_source = before[4]
+                        ROW1_TUNING.update(before[5])
                     add(row, time.perf_counter() - start)
         if args.peers:
             peer = peer_model(model, dtype, device)

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, build, peak_gib, reset_peak, write_rows
+from benchmarks.common import RESULTS, apply_row1_tuning, build, peak_gib, reset_peak, write_rows
 from hf_loopcache import (
     DeepestPlaneCache,
     FullLoopCache,
@@ -605,8 +605,12 @@ def main(argv: list[str] | None = None) -> None:
         default="eager",
         help="decode path of both ways: eager forwards over growable caches, or the static cache's captured steps",
     )
+    parser.add_argument("--row1-tuning", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides of coded attention's ROW1_TUNING for the run (recorded in the header), "
+                             "e.g. vprec_lookback=true")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    apply_row1_tuning(args.row1_tuning)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.acceptance_only:
         args.shapes = args.shapes or list(FIXTURES)

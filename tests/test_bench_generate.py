@@ -100,6 +100,20 @@ def test_fuse_kv_rows_compare_with_it_off(tmp_path, monkeypatch):
     assert rows[1]["tokens_equal_fuse_kv_off"] is True and "tokens_equal_fuse_kv_off" not in rows[0]
 
 
+def test_vprec_lookback_rows_compare_with_it_off(tmp_path, monkeypatch):
+    """`--vprec-lookback off on`: a row per setting of `ROW1_TUNING["vprec_lookback"]` over the V-precision cache
+    (restored after each), the second row comparing its tokens with the first's."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_generate.main(["--shapes", "micro-ouro", "--caches", "kivi4-vp", "--modes", "static", "--vprec-lookback",
+                         "off", "on", "--batches", "1", "--context", "24", "--new-tokens", "3", "--device", "cpu",
+                         "--dtype", "float32", "--out", "gen"])  # fmt: skip
+    rows = json.loads((tmp_path / "gen.json").read_text())["rows"]
+    assert [r["vprec_lookback"] for r in rows] == [False, True] and ROW1_TUNING["vprec_lookback"] is False
+    assert rows[1]["tokens_equal_vprec_lookback_off"] is True and "tokens_equal_vprec_lookback_off" not in rows[0]
+
+
 def test_plot_rows_keep_a_labelled_file_apart(tmp_path):
     """`plot_generate`'s `path=LABEL` (an A/B run as two processes): the labelled file's rows are drawn beside the
     other file's under their own name, where the same configuration in two plain files is drawn once (the later)."""

@@ -175,3 +175,23 @@ def test_huginn_loopkv_reads_are_ones_the_kernel_takes(monkeypatch):
     coded = [s for s in seen if s[1]]
     assert coded and {s[0] for s in coded} == {96} and {s[2] for s in coded} == {1, 5}
     assert [s for s in seen if s[3] is not None] == []
+
+
+def test_row1_tuning_overrides_are_applied_and_recorded(monkeypatch):
+    """`--row1-tuning KEY=VALUE` (an A/B of coded attention's settings inside the model, one process per side): the
+    values are parsed (bool, int, string), set in `ROW1_TUNING` and recorded in every result file's header; a key the
+    dict does not have is refused in one line naming the allowed keys."""
+    import pytest
+
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    monkeypatch.setattr(common, "_ROW1_OVERRIDES", {})
+    for key in ("vprec_lookback", "mma_programs_per_sm", "vprec"):
+        monkeypatch.setitem(ROW1_TUNING, key, ROW1_TUNING[key])
+    assert "row1_tuning" not in common.environment()
+    got = common.apply_row1_tuning(["vprec_lookback=true", "mma_programs_per_sm=4", "vprec=v4"])
+    assert got == {"vprec_lookback": True, "mma_programs_per_sm": 4, "vprec": "v4"}
+    assert ROW1_TUNING["vprec_lookback"] is True and ROW1_TUNING["mma_programs_per_sm"] == 4
+    assert common.environment()["row1_tuning"] == got
+    with pytest.raises(SystemExit, match=r"--row1-tuning takes KEY=VALUE with KEY one of \[.*'vprec_lookback'"):
+        common.apply_row1_tuning(["lookback=1"])

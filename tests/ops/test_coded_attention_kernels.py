@@ -619,6 +619,63 @@ def test_mma_pipelined_settings_match_reference(launches):
     assert [(x[4], x[3]) for x in launches] == [(True, 3)], launches
 
 
+LOOKBACK_CASES = [
+    # v9 (5-token blocks over INT4, per-query bounds across pages, padding holes): 2 and 3 splits, and the
+    # launcher's own count; GQA 2 x 3 tokens at a padded head dim (guard columns)
+    (Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, spread=40, splits=2, B=2, pad=True, lean=0.3), {"mma": True}),
+    (Case(hist=200, Q=5, Hq=2, Hkv=2, D=64, spread=40, splits=3, lean=0.3), {"mma": True}),
+    (Case(hist=300, Q=5, Hq=2, Hkv=2, D=64, spread=40, lean=0.3), {"mma": True}),
+    (Case(hist=80, Q=3, Hq=4, Hkv=2, D=96, spread=40, splits=3, guard=True, lean=0.3), {"mma": True}),
+    # the one-row word loops (decode without GQA): v5's score pass (the default), v5's pipelined loop and v4's, 3
+    # splits with padding, and the launcher's own count
+    (Case(hist=100, Hq=2, Hkv=2, splits=3, pad=True, B=2, lean=0.3), {}),
+    (Case(hist=100, Hq=2, Hkv=2, splits=3, pad=True, B=2, lean=0.3), {"vprec": "pipe"}),
+    (Case(hist=100, Hq=2, Hkv=2, splits=3, pad=True, B=2, lean=0.3), {"vprec": "v4"}),
+    (Case(hist=250, Hq=2, Hkv=2, Q=1, lean=0.5), {}),
+]
+
+
+@pytest.mark.parametrize(
+    "case, tune", [pytest.param(c, t, id=c.id() + "-" + ("mma" if "mma" in t else t.get("vprec", "scores"))) for c, t in LOOKBACK_CASES]
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_vprec_lookback_matches_reference(monkeypatch, case, tune, dtype):
+    """`ROW1_TUNING["vprec_lookback"]`: V precision over a split history in one launch (every split but the last
+    writes its page maxima and publishes a flag, every split awaits the earlier ones' flags before its value pass)
+    gives the reference's output, lse and cold counts on the same codes, on v9 and on the one-row word loops (v5's
+    score pass: the value pass reads the scores its own program stored, the last split's included); there is one
+    history launch and no first pass."""
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel",
+        lambda grid, kw: (kw.get("LOOKBACK", False), kw["PAGE_MAX_ONLY"], kw["MMA"], kw["ROW1"], kw["VPIPE"],
+                          kw["SCORES"]),
+    )  # fmt: skip
+    _check(case, dtype, tuning={**tune, "vprec_lookback": True})
+    mma, mode = "mma" in tune, tune.get("vprec", "scores")
+    want = (True, False, mma, not mma, not mma and mode != "v4", not mma and mode == "scores")
+    assert len(seen) == 1 and seen[0] == want, seen
+
+
+def test_vprec_lookback_is_validated_and_applies_only_where_it_can(monkeypatch):
+    """A bad `vprec_lookback` names the setting; where it cannot apply (one split, V precision off, v7's per-row
+    programs) the call launches as it does without it, and still matches the reference."""
+    data = _build(Case(hist=40, Hq=1, Hkv=1), torch.float32)
+    with pytest.raises(ValueError, match=r"tuning\['vprec_lookback'\]"):
+        _run_kernel(data, tuning={"vprec_lookback": "yes"})
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw.get("LOOKBACK", False), kw["PAGE_MAX_ONLY"])
+    )
+    for case, tune, want in [
+        (Case(hist=100, Hq=2, Hkv=2, splits=1, lean=0.3), {}, [(False, False)]),
+        (Case(hist=100, Hq=2, Hkv=2, splits=3, vprec=False, lean=0.3), {}, [(False, False)]),
+        (Case(hist=100, Q=3, Hq=2, Hkv=2, D=64, spread=40, splits=2, lean=0.3), {"mma_vprec": False},
+         [(False, True), (False, False)]),
+    ]:  # fmt: skip
+        seen.clear()
+        _check(case, torch.float32, tuning={**tune, "vprec_lookback": True})
+        assert seen == want, (case.id(), seen)
+
+
 def test_mma_is_validated():
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
@@ -833,6 +890,8 @@ def test_running_max_crosses_splits():
     settings = [(1, {"words": False}), (2, {"words": False}), (4, {"words": False}), (1, {}), (4, {})]
     settings += [(ns, {"vprec": m, "vprec_unroll": u}) for ns in (1, 4) for m in ("pipe", "scores") for u in (0, 1)]
     settings += [(None, {"vprec": "scores"})]  # the launcher's own split count (4 pages: 4 splits here)
+    settings += [(ns, {"vprec_lookback": True, "vprec": m}) for ns in (2, 4) for m in ("v4", "pipe", "scores")]
+    settings += [(2, {"vprec_lookback": True, "vprec": "v4", "pages": 2})]  # one launch
     for ns, tune in settings:
         data["case"].splits = ns
         got = torch.zeros(2, dtype=torch.int64, device=DEVICE)

@@ -159,3 +159,32 @@ def test_mma_loop_runs_on_tensor_cores():
     assert mma["per_element_row"] < 0.5 * general["per_element_row"], (mma, general)
     two = report(fmt=2, pages=1, warps=2, extra={"ROW1": False, "WORDS": False, "MMA": True, "DH": 96})
     assert two["stack"] == 0 and two["mma"] >= 16, two  # INT2 at Huginn-0125's padded head dim
+
+
+@pytest.mark.parametrize(
+    "extra, warps, rows",
+    [({"WORDS": True}, 2, 1), ({"WORDS": True, "VPIPE": True, "SCORES": True}, 2, 1),
+     ({"ROW1": False, "WORDS": False, "MMA": True}, 1, 5)],
+    ids=["row1-v4", "row1-v5-scores", "v9"],
+)
+def test_vprec_lookback_compiles_with_its_handshake(tmp_path, extra, warps, rows):
+    """`vprec_lookback` (V precision in one launch) compiles for sm_90 with the handshake its correctness rests on,
+    which the interpreter cannot show: a ticket drawn by an atomic add at the program's start, the page maxima
+    published by a fence then an atomic exchange, the earlier splits' flags polled by acquire atomics that invalidate L1,
+    and a value loop no longer than the two-launch value pass's (nothing added per code element, nothing in local
+    memory)."""
+    from benchmarks.sass_coded_attention import instructions, report
+
+    extra = {**extra, "READ_PREFIX": True}
+    two = report(fmt=4, pages=1, warps=warps, vprec=True, extra=extra, rows=rows)
+    path = tmp_path / "lookback.sass"
+    one = report(fmt=4, pages=1, warps=warps, vprec=True, extra={**extra, "LOOKBACK": True}, rows=rows, sass_path=path)
+    # (Triton 3.9: v9's loop 1,378 instructions against 1,387; v4's 573 both)
+    assert one["per_element"] <= 1.01 * two["per_element"] and one["loop_local"] == 0, (one, two)
+    ops = [op for _, op, _ in instructions(path.read_text())]
+    first = next(i for i, op in enumerate(ops) if op.startswith("ATOMG"))
+    assert ops[first].startswith("ATOMG.E.ADD") and first < 40, ops[:40]  # the ticket, before anything else
+    exch = [i for i, op in enumerate(ops) if op.startswith("ATOMG.E.EXCH")]
+    assert len(exch) == 1 and "MEMBAR.ALL.GPU" in ops[exch[0] - 8 : exch[0]], ops[exch[0] - 8 : exch[0] + 1]
+    acquire = [i for i, op in enumerate(ops) if op.startswith("ATOMG.E.ADD") and "CCTL.IVALL" in ops[i + 1 : i + 3]]
+    assert len(acquire) >= 2 and all(i > exch[0] for i in acquire), acquire  # the first poll, then the loop's

@@ -1454,6 +1454,44 @@ def _prior_weight(x_lse, b_mx):
 
 
 @triton.jit
+def _prefix_max(b_run, p_pm, m_row, p_seen, BLOCK_PM: tl.constexpr, CG: tl.constexpr):
+    """The running maximum `b_run` [BR] moved over the page maxima `[0, p_seen)` of the earlier splits (`p_pm`
+    [BR, 1] row pointers). `CG`: loads that bypass L1, for maxima written by other programs of the same launch
+    (`LOOKBACK`: an L1 line may hold bytes read before they were written)."""
+    for pm0 in range(0, p_seen, BLOCK_PM):
+        o_p = pm0 + tl.arange(0, BLOCK_PM)
+        m_p = m_row[:, None] & (o_p < p_seen)[None, :]
+        if CG:
+            b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"), cache_modifier=".cg")
+        else:
+            b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"))
+        b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
+    return b_run
+
+
+@triton.jit
+def _publish(p_flag):
+    """`LOOKBACK`: this split's page maxima are written: every thread's stores before the flag (release)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(p_flag, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_splits(p_flag, n, BLOCK: tl.constexpr = 64):
+    """`LOOKBACK`: wait until the `n` earlier splits of this row block have published their page maxima (acquire
+    reads of up to `BLOCK` flags at once, one round trip per poll); they started before this program (tickets), so
+    they are resident and never wait on it."""
+    for j0 in range(0, n, BLOCK):
+        o_j = j0 + tl.arange(0, BLOCK)
+        m_j = o_j < n
+        zero = tl.zeros([BLOCK], dtype=tl.int32)
+        f = tl.atomic_add(p_flag + o_j, zero, mask=m_j, sem="acquire", scope="gpu")
+        while tl.min(tl.where(m_j, f, 1), axis=0) == 0:
+            f = tl.atomic_add(p_flag + o_j, zero, mask=m_j, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
 def _live_pages(b_bound, hist_start, m_row, PAGE: tl.constexpr):
     """History pages any row of the block reads (its rows' bounds, less the history's start, in whole pages)."""
     return (tl.maximum(tl.max(tl.where(m_row, b_bound - hist_start, 0), axis=0), 0) + PAGE - 1) // PAGE
@@ -1636,6 +1674,8 @@ def _coded_attention_fwd_kernel(
     stride_xlq=0,
     PRIOR: tl.constexpr = False,
     FINAL: tl.constexpr = False,
+    lb_ptr=None,  # LOOKBACK: int32 [1 + NS * B * H_kv * row blocks], zeroed: the ticket, then a flag per split
+    LOOKBACK: tl.constexpr = False,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
         tl.extra.cuda.gdc_wait()
@@ -1646,6 +1686,12 @@ def _coded_attention_fwd_kernel(
     # DEV_LEN (a static cache's captured step): the length is read here, the sink buffer holds `S` slots of which
     # `min(S, length)` are read, the window is a ring of `W` slots, and `n_pages` counts every preallocated page
     i_s, i_bh, i_r = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    if LOOKBACK:
+        # V precision in one launch (`tuning["vprec_lookback"]`): a program takes its (split, row, row block) from a
+        # ticket drawn as it starts, so the earlier splits a split waits for (`_await_splits`) are already running
+        tk = tl.atomic_add(lb_ptr, 1, sem="relaxed", scope="gpu")
+        n0, n1 = tl.num_programs(0), tl.num_programs(1)
+        i_s, i_bh, i_r = tk % n0, ((tk // n0) % n1).to(tl.int64), tk // (n0 * n1)
     if ROWX:
         # v7 (verification blocks): `NS * G * Q` history programs, one per (split, row), run the one-row word path
         # on their own query row (row `i_x` of the only row block); then the tail programs. `i_s` becomes the
@@ -1753,16 +1799,23 @@ def _coded_attention_fwd_kernel(
                 b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID,
                 IEEE, True,
              DH=DH,)  # fmt: skip
-            if READ_PREFIX:
-                p_pm = pmax_ptr + (i_bh * (G * Q) + o_r)[:, None] * n_pages
-                p_seen = tl.minimum(p_begin, n_live)  # page maxima written by the earlier splits
-                for pm0 in range(0, p_seen, BLOCK_PM):
-                    o_p = pm0 + tl.arange(0, BLOCK_PM)
-                    m_p = m_row[:, None] & (o_p < p_seen)[None, :]
-                    b_pm = tl.load(p_pm + o_p[None, :], mask=m_p, other=float("-inf"))
-                    b_run = tl.maximum(b_run, tl.max(b_pm, axis=1))
+            p_pm = pmax_ptr + (i_bh * (G * Q) + o_r)[:, None] * n_pages
+            p_seen = tl.minimum(p_begin, n_live)  # page maxima written by the earlier splits
+            if READ_PREFIX and not LOOKBACK:  # the first launch wrote them
+                b_run = _prefix_max(b_run, p_pm, m_row, p_seen, BLOCK_PM, False)
+        if LOOKBACK:  # the first pass's page maxima in this launch: splits but the last write theirs, then wait
+            p_flag = lb_ptr + 1 + (i_r * tl.num_programs(1) + i_bh) * NS
         o_t0 = tl.arange(0, PAGE)
         o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
+        # (b, h_kv)'s history: code words as int32 pointers (their strides in words), scales and zeros
+        i32p: tl.constexpr = tl.pointer_type(tl.int32)
+        p_hkw = (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p)
+        p_hvw = (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p)
+        p_hvlw = (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p)
+        p_hks = hks_ptr + i_b * stride_hksb + i_hk * stride_hksh
+        p_hkz = hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh
+        p_hvs = hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh
+        p_hvz = hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh
         if ROW1:
             # one query row per KV head (decode, no GQA): the elementwise path, NP pages per step
             if ROWX:  # v7: this program's row i_x = g * Q + i, its own history bound and pages
@@ -1776,20 +1829,28 @@ def _coded_attention_fwd_kernel(
                 b_q1 = tl.load(p_q1, mask=o_d < DH, other=0.0).to(tl.float32) * qk_scale
             else:
                 b_q1 = tl.load(p_q1).to(tl.float32) * qk_scale
+            if LOOKBACK:  # v4's or v5's loop (not v7's: the launcher keeps two launches for it)
+                if SCORES or i_s < NS - 1:  # v5's score pass: the last split's value pass reads its own scores too
+                    _codes_history_row1w(
+                        b_q1, 0.0, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, qk_scale, o_ptr, lse_ptr,
+                        pmax_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
+                        stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, i_bh, 0, 0,
+                        tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, margin,
+                        sc_ptr + i_bh * (n_pages * PAGE), D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, False, True,
+                        not IEEE, SCORES, DH,
+                    )  # fmt: skip
+                    _publish(p_flag + i_s)
+                _await_splits(p_flag, i_s)
+                b_run = _prefix_max(b_run, p_pm, m_row, p_seen, BLOCK_PM, True)
             if USE_VPREC and not PAGE_MAX_ONLY:
                 b_run1 = tl.max(tl.where(o_r == (i_x if ROWX else 0), b_run, float("-inf")), axis=0)
             else:
                 b_run1 = 0.0
-            i32p: tl.constexpr = tl.pointer_type(tl.int32)
             p_sc = sc_ptr + i_bh * (n_pages * PAGE)  # the row's scores (v5; rows = 1)
             if WORDS and VPIPE and USE_VPREC and not PAGE_MAX_ONLY:  # v5: V precision with lo loaded a step ahead
                 _codes_history_row1p(
                     b_q1, b_run1, o_ptr, lse_ptr, p_valid, stride_validt,
-                    (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
-                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
-                    (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
-                    (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
-                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
                     p_sc, stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, margin,
@@ -1797,11 +1858,7 @@ def _coded_attention_fwd_kernel(
                 )  # fmt: skip
             elif WORDS and (SUB > 1 or SUB_STAGES > 0) and not USE_VPREC:  # v6: steps of PAGE // SUB tokens
                 _codes_history_row1s(
-                    b_q1, o_ptr, lse_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
-                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
-                    (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
-                    (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
-                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    b_q1, o_ptr, lse_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
                     stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
                     part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * (G * Q),
                     nh1 if ROWX else tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
@@ -1810,11 +1867,7 @@ def _coded_attention_fwd_kernel(
             elif WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
                 _codes_history_row1w(
                     b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, qk_scale, o_ptr, lse_ptr,
-                    pmax_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p),
-                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
-                    (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
-                    (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p),
-                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    pmax_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
                     stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
                     i_bh * (G * Q) + i_x if ROWX else i_bh,  # the row of the page maxima
                     part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * (G * Q),
@@ -1827,27 +1880,35 @@ def _coded_attention_fwd_kernel(
                 _codes_history_row1(
                     b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, o_ptr, lse_ptr, pmax_ptr, p_valid,
                     stride_validt, hk_ptr + i_b * stride_hkb + i_hk * stride_hkh,
-                    hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
+                    p_hks, p_hkz,
                     hv_ptr + i_b * stride_hvb + i_hk * stride_hvh, hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh,
-                    hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                    p_hvs, p_hvz,
                     stats_ptr, stride_hkt, stride_hksp, stride_hvt, stride_hvst, i_bh,
                     (i_s * tl.num_programs(1) + i_bh) * (G * Q), (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),
                     tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0), hist_start, p_begin, p_end, n_pages, qk_scale, margin,
                     D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, DH,
                 )  # fmt: skip
         elif MMA:  # v8: up to 16 rows on tensor cores, codes read as words and dequantized in registers
-            i32p_: tl.constexpr = tl.pointer_type(tl.int32)
+            if LOOKBACK:
+                if i_s < NS - 1:
+                    _codes_history_mma(
+                        q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh,
+                        m_row, o_ptr, lse_ptr, p_valid, stride_validt,
+                        p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
+                        stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
+                        qk_scale, b_m, margin, pmax_ptr, (i_bh * (G * Q) + o_r) * n_pages,
+                        D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE, USE_VPREC, False, True, MMA_STAGES,
+                    )  # fmt: skip
+                    _publish(p_flag + i_s)
+                _await_splits(p_flag, i_s)
+                b_run = _prefix_max(b_run, p_pm, m_row, p_seen, BLOCK_PM, True)
             if USE_VPREC and not PAGE_MAX_ONLY:
                 b_runm = b_run
             else:
                 b_runm = b_m
             b_cnt_mc, b_cnt_ma = _codes_history_mma(
                 q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh, m_row,
-                o_ptr, lse_ptr, p_valid, stride_validt, (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p_),
-                hks_ptr + i_b * stride_hksb + i_hk * stride_hksh, hkz_ptr + i_b * stride_hksb + i_hk * stride_hksh,
-                (hv_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p_),
-                (hvl_ptr + i_b * stride_hvb + i_hk * stride_hvh).to(i32p_),
-                hvs_ptr + i_b * stride_hvsb + i_hk * stride_hvsh, hvz_ptr + i_b * stride_hvsb + i_hk * stride_hvsh,
+                o_ptr, lse_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
                 stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
                 qk_scale, b_runm, margin, pmax_ptr, (i_bh * (G * Q) + o_r) * n_pages,
                 D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE, USE_VPREC, COUNT, PAGE_MAX_ONLY, MMA_STAGES,

@@ -37,7 +37,7 @@ ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
-    "mma_warps": 1, "mma_programs_per_sm": 8,
+    "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -89,7 +89,17 @@ own page-maxima pass): 76.6 / 538.1 / 956.0 us against v7's 130.3 / 636.9 / 986.
 those calls. `mma_stages` (1..4, default 1): v8's page loop as `tl.range(num_stages=...)` (within 2% of 1: 316.5 /
 544.4 at 2 against 322.4 / 558.4 at 8K x 8 / 16); `mma_warps` (1, 2, 4; default 1): the warps of the default v8
 launch (2 warps with stages 3: 277.9 / 485.1 at 8 / 16 but 55.0 against 40.2 at batch 1); `mma_programs_per_sm`
-(default 8): the split count v8 aims at (7, one wave of programs: slower, 340.8 / 670.0)."""
+(default 8): the split count v8 aims at (7, one wave of programs: slower, 340.8 / 670.0).
+
+`vprec_lookback` (session 28, default False: written and checked under the interpreter, not yet timed on a GPU): V
+precision over a split history in one launch instead of two. Every split but the last computes its pages' maxima
+first and publishes them (a flag per split, release), then waits for the earlier splits' flags (acquire) and runs
+the value pass seeded with their maxima; a program takes its (split, row, row block) from a ticket drawn as it
+starts, so a split waits only on splits already running (no deadlock whatever order the GPU starts programs in).
+Its own pages' key codes are read twice, the second time soon after the first (from L2 where they still fit), and
+the last split skips the first pass (but with v5's `scores`, whose value pass reads the scores the first pass
+stores). It applies to v9 (`mma_vprec`) and to the one-row word loops (v4, v5's modes); v7's per-row programs keep
+two launches. One zeroed int32 buffer per call (a memset)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -242,6 +252,10 @@ def _coded_attention_fwd(
     vmode = tune.get("vprec", "v4")
     if vmode not in VPREC_MODES:
         raise ValueError(f"`tuning['vprec']` must be one of {VPREC_MODES}, got {vmode!r}")
+    lookback = tune.get("vprec_lookback", False)
+    if lookback not in (0, 1) or not isinstance(lookback, (bool, int)):
+        raise ValueError(f"`tuning['vprec_lookback']` must be a bool (or 0 / 1), got {lookback!r}")
+    lookback = bool(lookback) and use_vprec and (mma or (words and not rowx))  # v9, or the one-row word loops
     vpipe = use_vprec and words and vmode in ("pipe", "scores") and not rowx  # v5 reads one row per KV head
     sub = tune.get("sub", 1)
     if sub not in (1, 2, 4) or (sub > 1 and tune["pages"] != 1):
@@ -284,6 +298,7 @@ def _coded_attention_fwd(
     if v6 and sub == 1 and tune["pages"] == 1 and num_warps == 2 and 0 < pps <= auto:
         sub, num_warps = 2, 1
     read_prefix = use_vprec and ns > 1
+    lookback = lookback and read_prefix  # one split: one pass already
     if vpipe and vmode == "scores" and not read_prefix:
         vpipe = False  # one split per row block: v4's loop (H200, 8K x 64: 969 us against the pipelined 1,068)
     scores = read_prefix and vpipe and vmode == "scores"  # v5: the first pass also writes every token's score
@@ -333,6 +348,8 @@ def _coded_attention_fwd(
     slots = rows if rowx else n_rblocks  # V-precision count slots per (split, b * h_kv)
     count = count and not final  # no history: nothing to count
     stats_part = torch.zeros(max(ns, 1) * b * hkv * slots, 2, dtype=torch.int32, device=dev) if count else lse_part
+    # the ticket, then a flag per (row block, b * h_kv, split)
+    flags = torch.zeros(1 + ns * b * hkv * n_rblocks, dtype=torch.int32, device=dev) if lookback else None
 
     def args(page_max_only: bool) -> dict:
         return dict(
@@ -419,6 +436,7 @@ def _coded_attention_fwd(
             MMA_STAGES=mma_stages if mma else 1,
             FINAL=final,
             **(_prior_args(prior) if final else {}),
+            **({"lb_ptr": flags, "LOOKBACK": True} if lookback else {}),
         )
 
     if row1 or mma:
@@ -431,7 +449,7 @@ def _coded_attention_fwd(
         launch = {}
     # v7: `ns * rows` history programs (split-major, the rows of a split adjacent: they read the same codes)
     pdl = pdl_options(query)
-    if read_prefix:
+    if read_prefix and not lookback:
         _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **pdl, **launch)
     _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **pdl, **launch)
     if final:
