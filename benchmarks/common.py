@@ -65,17 +65,15 @@ _ROW1_OVERRIDES: dict[str, Any] = {}
 def apply_row1_tuning(pairs: list[str]) -> dict[str, Any]:
     """`KEY=VALUE` overrides of `triton_ops.coded_attention.ops.ROW1_TUNING` for a whole run (an A/B of coded
     attention's settings inside the model, one process per side), applied in place and recorded by `environment()`
-    under `row1_tuning`. VALUE: an int, `true` / `false`, or a string; KEY one of the dict's keys."""
-    from triton_ops.coded_attention.ops import ROW1_TUNING
+    under `row1_tuning`. VALUE as `ops.tuning_value` reads it (`none`, `true` / `false`, an int, else a string); KEY one of the dict's keys."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING, tuning_value
 
     got: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or key not in ROW1_TUNING:
             raise SystemExit(f"--row1-tuning takes KEY=VALUE with KEY one of {sorted(ROW1_TUNING)}, got {pair!r}")
-        low = raw.lower()
-        value: Any = low == "true" if low in ("true", "false") else int(raw) if raw.lstrip("-").isdigit() else raw
-        got[key] = value
+        got[key] = tuning_value(raw)
     ROW1_TUNING.update(got)
     _ROW1_OVERRIDES.update(got)
     return got

@@ -36,6 +36,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from triton_ops.coded_attention.ops import tuning_value
+
 HEADS, D, SINK, WINDOW, PAGE, GROUP = 16, 128, 32, 256, 32, 32
 E = HEADS * D
 
@@ -223,7 +225,7 @@ def main(argv=None):
             tune["vprec"] = mode
             tune["vprec_unroll"] = extra == "unroll"
         for k, v in extras:
-            tune[k] = None if v == "none" else int(v) if v.lstrip("-").isdigit() else v
+            tune[k] = tuning_value(v)
         configs.append((c, tune))
     if args.baseline:
         configs.insert(0, ("v2", dict(enabled=False)))

@@ -25,3 +25,14 @@ def test_static_view_reads_what_the_host_view_reads(queries, nbits):
     got, got_lse = reference_coded_attention(q, static, scaling=tune.D**-0.5, v_precision_tau=1.0 if nbits == 4 else None)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # fp32: the two reads sum in different orders
     torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-5)
+
+
+def test_tuning_values_read_from_the_command_line():
+    """`--configs`' `key=value` fields and `--row1-tuning` read values one way: the kernel's constexprs need real
+    bools and ints (`vprec_lookback=true` must not arrive as the truthy string "true", nor `maxnreg=none` as "none")."""
+    from triton_ops.coded_attention.ops import tuning_value
+
+    assert tuning_value("none") is None and tuning_value("None") is None
+    assert tuning_value("true") is True and tuning_value("FALSE") is False
+    assert tuning_value("168") == 168 and tuning_value("-1") == -1 and isinstance(tuning_value("0"), int)
+    assert tuning_value("scores") == "scores"

@@ -133,6 +133,17 @@ and the programs per SM the split count aims at. `tuning={"dense": {...}}` overr
 
 
 @functools.cache
+def tuning_value(raw: str) -> object:
+    """A `ROW1_TUNING` value written on a command line (`KEY=VALUE`): `none`, `true` / `false`, an int, else the
+    string (a mode such as `scores`). The benchmarks' `--configs` and `--row1-tuning` both read values this way."""
+    low = raw.lower()
+    if low == "none":
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    return int(raw) if raw.lstrip("-").isdigit() else raw
+
+
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
