@@ -1470,6 +1470,15 @@ def _prefix_max(b_run, p_pm, m_row, p_seen, BLOCK_PM: tl.constexpr, CG: tl.const
 
 
 @triton.jit
+def _row1_query(p_q1, o_d, qk_scale, D: tl.constexpr, DH: tl.constexpr):
+    """One query row in fp32, scaled; zero past `DH` (a head dim that is no power of two)."""
+    if DH < D:
+        return tl.load(p_q1, mask=o_d < DH, other=0.0).to(tl.float32) * qk_scale
+    else:
+        return tl.load(p_q1).to(tl.float32) * qk_scale
+
+
+@triton.jit
 def _publish(p_flag):
     """`LOOKBACK`: this split's page maxima are written: every thread's stores before the flag (release)."""
     tl.debug_barrier()
@@ -1486,8 +1495,12 @@ def _await_splits(p_flag, n, BLOCK: tl.constexpr = 64):
         m_j = o_j < n
         zero = tl.zeros([BLOCK], dtype=tl.int32)
         f = tl.atomic_add(p_flag + o_j, zero, mask=m_j, sem="acquire", scope="gpu")
-        while tl.min(tl.where(m_j, f, 1), axis=0) == 0:
+        # the count still unpublished, carried as a scalar: a condition that reduces the polled tensor itself fails
+        # Triton 3.6's layout pass (TritonGPURemoveLayoutConversions; 3.9 compiles both)
+        busy = tl.sum((m_j & (f == 0)).to(tl.int32), axis=0)
+        while busy != 0:
             f = tl.atomic_add(p_flag + o_j, zero, mask=m_j, sem="acquire", scope="gpu")
+            busy = tl.sum((m_j & (f == 0)).to(tl.int32), axis=0)
     tl.debug_barrier()
 
 
@@ -1825,10 +1838,7 @@ def _coded_attention_fwd_kernel(
                 part1 = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + i_x
             else:
                 p_q1 = q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh + o_d
-            if DH < D:  # a head dim that is no power of two: the query is zero past DH
-                b_q1 = tl.load(p_q1, mask=o_d < DH, other=0.0).to(tl.float32) * qk_scale
-            else:
-                b_q1 = tl.load(p_q1).to(tl.float32) * qk_scale
+            b_q1 = _row1_query(p_q1, o_d, qk_scale, D, DH)
             if LOOKBACK:  # v4's or v5's loop (not v7's: the launcher keeps two launches for it)
                 if SCORES or i_s < NS - 1:  # v5's score pass: the last split's value pass reads its own scores too
                     _codes_history_row1w(
@@ -1842,6 +1852,10 @@ def _coded_attention_fwd_kernel(
                     _publish(p_flag + i_s)
                 _await_splits(p_flag, i_s)
                 b_run = _prefix_max(b_run, p_pm, m_row, p_seen, BLOCK_PM, True)
+                # the value pass's own copy of the query, loaded after the handshake's atomics so that it is not
+                # merged with the first pass's: Triton 3.6 reuses a layout conversion of the query made inside the
+                # first pass's branch and loop, and fails ("operand does not dominate this use"; 3.9 compiles both)
+                b_q1 = _row1_query(p_q1, o_d, qk_scale, D, DH)
             if USE_VPREC and not PAGE_MAX_ONLY:
                 b_run1 = tl.max(tl.where(o_r == (i_x if ROWX else 0), b_run, float("-inf")), axis=0)
             else:
