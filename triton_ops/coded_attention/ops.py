@@ -92,7 +92,7 @@ launch (2 warps with stages 3: 277.9 / 485.1 at 8 / 16 but 55.0 against 40.2 at 
 (default 8): the split count v8 aims at (7, one wave of programs: slower, 340.8 / 670.0).
 
 `vprec_lookback` (session 28, default False: timed on the H200 in session 31, 9% faster at 8K x 1 with 5 queries,
-2-12% slower from batch 8 on, level with two launches for 5-token blocks at 1,280 x 8: README, "V precision in one
+level to 12% slower from batch 8 on, level with two launches for 5-token blocks at 1,280 x 8: README, "V precision in one
 launch"): V
 precision over a split history in one launch instead of two. Every split but the last computes its pages' maxima
 first and publishes them (a flag per split, release), then waits for the earlier splits' flags (acquire) and runs
