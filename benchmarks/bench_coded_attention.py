@@ -33,13 +33,18 @@ from benchmarks.common import write_rows
 HEADS, HEAD_DIM, SINK, WINDOW, PAGE, GROUP = 16, 128, 32, 256, 32, 32
 
 
-def vprec_pass_bytes(b, n_hist, tune, sms=132):
+def vprec_pass_bytes(b, n_hist, tune, sms=132, queries=1):
     """Bytes per batch row V precision reads besides the codes: v4 / `pipe` split below one row block per SM and
     then read the key codes (and scales, zeros) twice; `scores` splits below `vprec_fill` row blocks per SM and
-    writes and reads one fp32 score per token and head instead (`ops.VPREC_MODES`)."""
+    writes and reads one fp32 score per token and head instead (`ops.VPREC_MODES`); the optimistic pass
+    (`vprec_optimistic`: v9's blocks of `queries >= mma_rows_min`, or `vprec` "v4") reads nothing more unless its
+    check reruns a split."""
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
     tune = {**ROW1_TUNING, **(tune or {})}
+    mma = bool(tune["mma"]) or 0 < tune["mma_rows_min"] <= queries
+    if tune.get("vprec_optimistic") and (mma or tune.get("vprec") == "v4"):
+        return 0  # no first pass (a split the check reruns reads its codes again: not counted)
     if tune.get("vprec") == "scores":
         return n_hist * HEADS * 8 if b * HEADS < tune["vprec_fill"] * sms else 0
     return n_hist * HEADS * HEAD_DIM * (1 / 2 + 4 / PAGE) if b * HEADS < sms else 0

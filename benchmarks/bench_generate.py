@@ -47,7 +47,8 @@ the deepest plane's shared cells in a one-token step, whose history cuDNN reads;
 read by its source's own read (`StaticCodedSharedLayer.whole_source`; row `whole_source`,
 `tokens_equal_whole_source_off`; pass `off on`). `--vprec-lookback off on` the same for V precision over a split
 history in one launch (`ROW1_TUNING["vprec_lookback"]`: the `kivi4-vp` cache; row `vprec_lookback`,
-`tokens_equal_vprec_lookback_off`).
+`tokens_equal_vprec_lookback_off`), and `--vprec-optimistic off on` for its optimistic pass
+(`ROW1_TUNING["vprec_optimistic"]`; row `vprec_optimistic`, `tokens_equal_vprec_optimistic_off`).
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def run_one(
         "one_launch": bool(TAIL_TUNING["final_slots"]) if not peer else None,
         "whole_source": StaticCodedSharedLayer.whole_source if mode != "eager" and not peer else None,
         "vprec_lookback": bool(ROW1_TUNING["vprec_lookback"]) if not peer else None,
+        "vprec_optimistic": bool(ROW1_TUNING["vprec_optimistic"]) if not peer else None,
         "model": "plain Qwen2 peer" if peer else "looped",
         "batch": batch,
         "context": context,
@@ -337,7 +339,8 @@ def run_one(
                         ("shared_sdpa", StaticCodedSharedLayer.history_read == "sdpa"),
                         ("one_launch", bool(TAIL_TUNING["final_slots"])),
                         ("whole_source", StaticCodedSharedLayer.whole_source),
-                        ("vprec_lookback", bool(ROW1_TUNING["vprec_lookback"])))  # fmt: skip
+                        ("vprec_lookback", bool(ROW1_TUNING["vprec_lookback"])),
+                        ("vprec_optimistic", bool(ROW1_TUNING["vprec_optimistic"])))  # fmt: skip
             for name, on in switches:
                 if not on:
                     reference[(*key, mode, f"{name}_off")] = out.cpu()
@@ -453,6 +456,10 @@ def wait_for(path: str, timeout_s: float | None) -> float:
     return round(time.perf_counter() - start, 1)
 
 
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `main` (the suite's tests parse its command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -513,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vprec-lookback", nargs="+", default=["off"], choices=("on", "off"),
                         help="V precision over a split history in one launch (on) or two (off) "
                              "(ROW1_TUNING['vprec_lookback'])")
+    parser.add_argument("--vprec-optimistic", nargs="+", default=[_on_off(ROW1_TUNING["vprec_optimistic"])],
+                        choices=("on", "off"),
+                        help="V precision over a split history as an optimistic value pass and a check that reruns "
+                             "the splits whose hot set changes (on), or after a page-maxima pass (off) "
+                             "(ROW1_TUNING['vprec_optimistic'])")
     parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
@@ -566,9 +578,12 @@ def main(argv: list[str] | None = None) -> None:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
         for cache_name in args.caches if not args.peers_only else []:
             for context, batch in itertools.product(args.context, args.batches):
-                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one, whole, look in itertools.product(
-                    modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
-                    args.defer_stop, args.shared_read, args.one_launch, args.whole_source, args.vprec_lookback
+                for mode, on, fuse, pdl, gemv, fuse_rope, fuse_kv, defer, shared, one, whole, look, opt in (
+                    itertools.product(
+                        modes, args.fused, args.fuse_silu, args.pdl, args.gemv, args.fuse_rope, args.fuse_kv,
+                        args.defer_stop, args.shared_read, args.one_launch, args.whole_source, args.vprec_lookback,
+                        args.vprec_optimistic,
+                    )
                 ):
                     if late(batch, context):
                         rows.append(skipped(shape, cache_name, mode, batch, context))
@@ -579,6 +594,7 @@ def main(argv: list[str] | None = None) -> None:
                               StaticCodedSharedLayer.whole_source, dict(ROW1_TUNING))
                     StaticCodedSharedLayer.whole_source = whole == "on"
                     ROW1_TUNING["vprec_lookback"] = look == "on"
+                    ROW1_TUNING["vprec_optimistic"] = opt == "on"
                     if one == "off":
                         TAIL_TUNING["final_slots"] = 0
                     PDL["enabled"] = pdl == "on"

@@ -461,7 +461,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             s=40,
         )
         ax.annotate(
-            r["shape"],
+            r["shape"] + (f" {r['label']}" if r.get("label") else ""),
             (r["predicted_speedup_eq8"], r["speedup"]),
             fontsize=6,
             xytext=(3, 2),

@@ -52,7 +52,7 @@ def compile_row1(fmt=4, pages=2, warps=2, stages=1, vprec=False, dtype="bf16", e
     ptr_types = dict(
         q_ptr=dtype, o_ptr="fp32", lse_ptr="fp32", pmax_ptr="fp32", sc_ptr="fp32", bound_ptr="i32", valid_ptr="i32", hk_ptr="u8",
         hks_ptr="fp16", hkz_ptr="fp16", hv_ptr="u8", hvl_ptr="u8", hvs_ptr="fp16", hvz_ptr="fp16", stats_ptr="fp32",
-        lb_ptr="i32",
+        lb_ptr="i32", hmin_ptr="fp32",
     )  # fmt: skip
     # runtime integers of a real launch that are multiples of 16 (the rest are not specialised)
     div16 = {"stride_qb", "stride_qh", "stride_qq", "stride_skb", "stride_skh", "stride_skt", "stride_svb",

@@ -236,7 +236,7 @@ def main(argv=None):
         for prov in args.providers:
             nbits = 2 if prov == "int2" else 4
             vprec = prov == "int4-vprec"
-            key = (prov, tuple(sorted((k, v) for k, v in tune.items() if vprec or k != "vprec")))
+            key = (prov, tuple(sorted((k, v) for k, v in tune.items() if vprec or not k.startswith("vprec"))))
             if key in done:
                 continue
             done.add(key)
@@ -267,7 +267,7 @@ def main(argv=None):
                         tau, cold = taus[(ctx, b)]
                         row.update(tau=tau, cold_fraction=cold)
                         hist_bytes -= n_hist * cold * E / 4
-                        hist_bytes += vprec_pass_bytes(b, n_hist, tune)
+                        hist_bytes += vprec_pass_bytes(b, n_hist, tune, queries=nq)
                     nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + nq) * 2 * E * 2)
                     q = d["q"][:b, :, :nq]
 

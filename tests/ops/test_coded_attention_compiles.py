@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (settings of `benchmarks.sass_coded_attention.compile_row1`): the default decode and verification launches, V
-# precision in two launches and in one (the lookback handshake), at Ouro-1.4B's head dim and Huginn-0125's padded one
+# precision in two launches, in one (the lookback handshake) and optimistic, at Ouro-1.4B's head dim and Huginn-0125's
+# padded one
 LOOKBACK = {"READ_PREFIX": True, "LOOKBACK": True, "USE_VALID": True}
 SETTINGS = {
     "row1-int4": dict(fmt=4, warps=2, extra={"WORDS": True}),
@@ -31,6 +32,18 @@ SETTINGS = {
         fmt=4, warps=1, vprec=True, extra={"ROW1": False, "WORDS": False, "MMA": True, **LOOKBACK}
     ),
     "mma-int2-dh96": dict(fmt=2, warps=2, extra={"ROW1": False, "WORDS": False, "MMA": True, "DH": 96}),
+    # V precision's optimistic pass and its check (`vprec_optimistic`), on v4's loop and on v9
+    "row1-vprec-optimistic": dict(fmt=4, warps=2, vprec=True, extra={"WORDS": True, "OPT": 1, "COUNT": True}),
+    "row1-vprec-optimistic-check": dict(
+        fmt=4, warps=2, vprec=True, extra={"WORDS": True, "OPT": 2, "READ_PREFIX": True, "COUNT": True}
+    ),
+    "mma-vprec-optimistic": dict(
+        fmt=4, warps=1, vprec=True, extra={"ROW1": False, "WORDS": False, "MMA": True, "OPT": 1, "COUNT": True}
+    ),
+    "mma-vprec-optimistic-check-dh96": dict(
+        fmt=4, warps=1, vprec=True,
+        extra={"ROW1": False, "WORDS": False, "MMA": True, "OPT": 2, "READ_PREFIX": True, "COUNT": True, "DH": 96},
+    ),
 }
 
 

@@ -676,6 +676,120 @@ def test_vprec_lookback_is_validated_and_applies_only_where_it_can(monkeypatch):
         assert seen == want, (case.id(), seen)
 
 
+OPTIMISTIC_CASES = [(c, t) for c, t in LOOKBACK_CASES if "mma" in t] + [
+    # v4's one-row loop (`vprec` "v4"): 3 splits with padding, and the launcher's own count
+    (Case(hist=100, Hq=2, Hkv=2, splits=3, pad=True, B=2, lean=0.3), {"vprec": "v4"}),
+    (Case(hist=250, Hq=2, Hkv=2, Q=1, lean=0.5), {"vprec": "v4"}),
+]
+
+
+@pytest.mark.parametrize(
+    "case, tune", [pytest.param(c, t, id=c.id() + "-" + ("mma" if "mma" in t else "v4")) for c, t in OPTIMISTIC_CASES]
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_vprec_optimistic_matches_reference(monkeypatch, case, tune, dtype):
+    """`ROW1_TUNING["vprec_optimistic"]`: V precision over a split history without a page-maxima pass first: every
+    split's value pass runs seeded with the sink's maximum alone and stores its page maxima and lowest hot score,
+    then a second launch reruns the splits whose hot set the earlier splits' maxima change. Output, lse and cold
+    counts are the reference's (these cases' weak sinks make later splits rerun), on v9 and on v4's one-row loop;
+    no page-maxima pass, and the second launch starts history programs only."""
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel",
+        lambda grid, kw: (kw.get("OPT", 0), kw["PAGE_MAX_ONLY"], kw["READ_PREFIX"], kw["MMA"], kw["VPIPE"], grid[0],
+                          kw["NS"]),
+    )  # fmt: skip
+    _check(case, dtype, tuning={**tune, "vprec_optimistic": True})
+    mma = "mma" in tune
+    assert [x[:5] for x in seen] == [(1, False, False, mma, False), (2, False, True, mma, False)], seen
+    assert seen[0][5] == seen[0][6] + 1 and seen[1][5] == seen[1][6] > 1, seen  # the tail program in the first only
+
+
+def _optimistic_reruns(monkeypatch, data, tune):
+    """Output and reruns of the optimistic launches: the second launch is given its own V-precision count slots,
+    filled with -1, so that the slots of the splits it reruns (and only those) are written; returns the output and
+    a bool per split (any program of the split wrote its slot)."""
+    from triton_ops.coded_attention import kernels
+
+    real, slots = kernels._coded_attention_fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                if kw.get("OPT") == 2:
+                    slots.append(torch.full_like(kw["stats_ptr"], -1))
+                    kw = {**kw, "stats_ptr": slots[-1]}
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Spy())
+    try:
+        out, _ = _run_kernel(data, stats=torch.zeros(2, dtype=torch.int64, device=DEVICE), tuning=tune)
+    finally:
+        monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", real)
+    assert len(slots) == 1
+    ns = data["case"].splits
+    return out, (slots[0].reshape(ns, -1) >= 0).any(1).tolist()
+
+
+@pytest.mark.parametrize("tune", [{"vprec": "v4"}, {"mma": True}], ids=["v4", "mma"])
+def test_vprec_optimistic_reruns_only_where_the_hot_set_changes(monkeypatch, tune):
+    """The second launch's check is exact both ways. A sink whose score leads every history token's (the common
+    case in trained models): hot tokens exist, yet no split reruns, and the output is the reference's. The largest
+    history score in page 0 and no sink: every later split, whose own maxima left tokens hot that page 0 makes
+    cold, reruns; the first never can."""
+    tune = {**tune, "vprec_optimistic": True}
+    q_len = 5 if "mma" in tune else 1
+    data = _build(Case(hist=128, S=4, Q=q_len, Hq=2, Hkv=2, D=64, splits=4, lean=0.5), torch.float32)
+    data["tau"] = 16.0  # margin enough for some hot tokens; the sink's score still leads the history's
+    stats = torch.zeros(2, dtype=torch.int64)
+    ref, _ = _reference(data, stats=stats)
+    assert 0 < stats[0].item() < stats[1].item(), stats
+    out, reran = _optimistic_reruns(monkeypatch, data, tune)
+    assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
+    assert reran == [False] * 4, reran
+    # history-led: page 0 holds the maximum, so the later splits' hot sets shrink
+    data = _build(Case(hist=128, S=0, Q=q_len, Hq=2, Hkv=2, D=64, splits=4), torch.float32)
+    qk, qv = data["history"]
+    k = naive.dequantize_keys(qk)
+    k[:, :, 3] = data["q"][:, :, 0] * 6  # a key aligned with each head's first query (H_q = H_kv)
+    data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
+    out, reran = _optimistic_reruns(monkeypatch, data, tune)
+    assert reran == [False, True, True, True], reran
+    assert (out.double().cpu() - _reference(data)[0]).abs().max() <= ATOL[torch.float32]
+
+
+def test_vprec_optimistic_is_validated_and_applies_only_where_it_can(monkeypatch):
+    """`vprec_optimistic` is on by default; a bad value names the setting. Where it does not apply the call launches
+    as it does without it: one split, V precision off, v7's per-row programs, v5's `scores` / `pipe` loops (the
+    one-row default), and `vprec_lookback`, which goes first."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    assert ROW1_TUNING["vprec_optimistic"] is True
+    data = _build(Case(hist=40, Hq=1, Hkv=1), torch.float32)
+    with pytest.raises(ValueError, match=r"tuning\['vprec_optimistic'\]"):
+        _run_kernel(data, tuning={"vprec_optimistic": "yes"})
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel",
+        lambda grid, kw: (kw.get("OPT", 0), kw["PAGE_MAX_ONLY"], kw.get("LOOKBACK", False)),
+    )  # fmt: skip
+    mma5 = Case(hist=100, Q=5, Hq=2, Hkv=2, D=64, spread=40, splits=2, lean=0.3)
+    for case, tune, want in [
+        (Case(hist=100, Hq=2, Hkv=2, splits=1, lean=0.3), {"vprec": "v4"}, [(0, False, False)]),
+        (Case(hist=100, Hq=2, Hkv=2, splits=3, vprec=False, lean=0.3), {"vprec": "v4"}, [(0, False, False)]),
+        (Case(hist=100, Q=3, Hq=2, Hkv=2, D=64, spread=40, splits=2, lean=0.3), {"mma_vprec": False},
+         [(0, True, False), (0, False, False)]),
+        (Case(hist=100, Hq=2, Hkv=2, splits=3, lean=0.3), {}, [(0, True, False), (0, False, False)]),
+        (Case(hist=100, Hq=2, Hkv=2, splits=3, lean=0.3), {"vprec": "pipe"}, [(0, True, False), (0, False, False)]),
+        (mma5, {"vprec_lookback": True}, [(0, False, True)]),
+        (mma5, {}, [(1, False, False), (2, False, False)]),
+        (mma5, {"vprec_optimistic": False}, [(0, True, False), (0, False, False)]),
+    ]:  # fmt: skip
+        seen.clear()
+        _check(case, torch.float32, tuning=tune)
+        assert seen == want, (case.id(), tune, seen)
+
+
 def test_mma_is_validated():
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
@@ -892,6 +1006,8 @@ def test_running_max_crosses_splits():
     settings += [(None, {"vprec": "scores"})]  # the launcher's own split count (4 pages: 4 splits here)
     settings += [(ns, {"vprec_lookback": True, "vprec": m}) for ns in (2, 4) for m in ("v4", "pipe", "scores")]
     settings += [(2, {"vprec_lookback": True, "vprec": "v4", "pages": 2})]  # one launch
+    settings += [(ns, {"vprec": "v4", "pages": p}) for ns in (2, 4) for p in (1, 2)]  # optimistic: reruns
+    settings += [(4, {"vprec": "v4", "vprec_optimistic": False})]  # v4's two launches
     for ns, tune in settings:
         data["case"].splits = ns
         got = torch.zeros(2, dtype=torch.int64, device=DEVICE)

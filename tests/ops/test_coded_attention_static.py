@@ -243,6 +243,33 @@ def test_static_vprec_lookback_shares_the_live_pages(case, tune, splits, launche
 
 
 @needs_kernel
+@pytest.mark.parametrize("splits", [2, 6])
+@pytest.mark.parametrize(
+    "case, tune",
+    [
+        pytest.param(CASES[5], {"vprec": "v4"}, id="v4"),
+        pytest.param(Case(B=2, Hq=2, Hkv=2, D=64, S=4, hist=90, Wn=6, Q=5, fmt=4, vprec=True, pad=True, spread=40,
+                          lean=0.3), {"mma": True}, id="v9"),
+    ],
+)  # fmt: skip
+def test_static_vprec_optimistic_shares_the_live_pages(case, tune, splits, launches):
+    """V precision's optimistic pass (`vprec_optimistic`) over a static view with 7 spare pages: both launches share
+    out the live pages on the device alike, the check reads the page maxima the first launch stored for the earlier
+    splits, and the output, log-sum-exp and cold counts are the reference's."""
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    data = _build(case, torch.float32)
+    stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    out, lse = _coded_attention_fwd(
+        data["q"].to(DEVICE), _static_view(data, torch.float32, DEVICE, extra_pages=7), scaling=data["scaling"],
+        v_precision_tau=data["tau"], v_precision_stats=stats, num_splits=splits,
+        tuning=tune,  # `vprec_optimistic` is on by default
+    )  # fmt: skip
+    _assert_matches(data, out, lse, stats, extra_pages=7)
+    assert len(launches) == 2, launches
+
+
+@needs_kernel
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize(
     "case",

@@ -498,7 +498,7 @@ def _codes_history_row1w(
     hist_start, p_begin, p_end, n_pages, margin, sc_ptr,
     D: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr, NP: tl.constexpr,
     USE_VALID: tl.constexpr, USE_VPREC: tl.constexpr, COUNT: tl.constexpr, PAGE_MAX_ONLY: tl.constexpr,
-    FAST: tl.constexpr, SCORES: tl.constexpr, DH: tl.constexpr,
+    FAST: tl.constexpr, SCORES: tl.constexpr, DH: tl.constexpr, hmin_ptr=None, OPT: tl.constexpr = 0,
 ):
     """`_codes_history_row1` reading codes as 32-bit words (v4): key words `[NP, PAGE, D * nbits / 32]`, value
     words `[T, groups, VGROUP / 16]` per plane, each word unpacked in registers by shift + LOP3 per field (no byte
@@ -507,7 +507,9 @@ def _codes_history_row1w(
     shift + LOP3 per word pair. The next step's codes, scales and zeros are loaded at the top of the step (carried
     into the next), so their latency overlaps this step's arithmetic. Pointers to codes are `int32` pointers already
     at (b, h_kv); strides of code tensors in words. Same contract and results as `_codes_history_row1`. With
-    `PAGE_MAX_ONLY and SCORES` the page-maxima pass also stores every token's score at `sc_ptr` (v5's score pass)."""
+    `PAGE_MAX_ONLY and SCORES` the page-maxima pass also stores every token's score at `sc_ptr` (v5's score pass).
+    `OPT` 1 (V precision's optimistic pass, `ops._coded_attention_fwd`): the value pass also stores its page maxima
+    and the lowest score it read hot at `hmin_ptr + o_part`."""
     LANES: tl.constexpr = 32 // KV_FMT  # key channels per word: lane j of word w is channel LANES * w + j
     DW: tl.constexpr = D // LANES
     NG: tl.constexpr = D // VGROUP  # value groups per token
@@ -535,6 +537,8 @@ def _codes_history_row1w(
     if COUNT:
         b_cnt_cold = tl.zeros([NP, PAGE], dtype=tl.int32)
         b_cnt_all = tl.zeros([NP, PAGE], dtype=tl.int32)
+    if OPT == 1:
+        b_hmin = tl.min(tl.full([NP], float("inf"), dtype=tl.float32), axis=0)  # lowest score read hot
     one = (tl.max(b_q * 0.0, axis=0) + 1.0).to(tl.int32, bitcast=True)  # 0x3F800000, not a compile-time constant
     if FAST:  # code = (f - 1) * 2**(23 - TGT) with TGT of the channel's field (`_wfield`): folded into the query
         b_qk = b_q * (1 << (8 - KV_FMT * ((o_d % LANES) % (8 // KV_FMT)))).to(tl.float32)
@@ -613,6 +617,9 @@ def _codes_history_row1w(
                 if COUNT:
                     b_cnt_all += m_vis.to(tl.int32)
                     b_cnt_cold += (m_vis & ~m_hot).to(tl.int32)
+                if OPT == 1:
+                    tl.store(pmax_ptr + i_bh * n_pages + o_pg, b_pm, mask=m_pg)
+                    b_hmin = tl.minimum(b_hmin, tl.min(tl.min(tl.where(m_hot, b_s, float("inf")), axis=1), axis=0))
                 b_pc = tl.reshape(tl.where(m_hot, 0.0, b_p), [T])  # p of cold tokens (0 where not read)
                 m_lo = m_t1 & tl.reshape(m_hot, [T])
                 o_v3 = o_t1[:, None, None] * stride_hvt + o_gu
@@ -635,6 +642,8 @@ def _codes_history_row1w(
             o_ptr, lse_ptr, o_part, b_mr, b_lv, b_az, b_wsum, a0, a1, a2, a3, a4, a5, a6, a7, c0, c1, c2, c3, c4, c5,
             c6, c7, D, KV_FMT, FAST,
         )  # fmt: skip
+        if OPT == 1:
+            tl.store(hmin_ptr + o_part, b_hmin)
         if COUNT:
             tl.store(stats_ptr + i_prog * 2, tl.sum(tl.sum(b_cnt_cold, axis=1), axis=0))
             tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(tl.sum(b_cnt_all, axis=1), axis=0))
@@ -1283,7 +1292,8 @@ def _codes_history_mma(
     b_run, margin, pmax_ptr, o_pm,
     D: tl.constexpr, DH: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr,
     BLOCK_R: tl.constexpr, USE_VALID: tl.constexpr, FAST: tl.constexpr, USE_VPREC: tl.constexpr = False,
-    COUNT: tl.constexpr = False, PAGE_MAX_ONLY: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    COUNT: tl.constexpr = False, PAGE_MAX_ONLY: tl.constexpr = False, STAGES: tl.constexpr = 1, hmin_ptr=None,
+    OPT: tl.constexpr = 0,
 ):
     """v8 (session 15, `ROW1_TUNING["mma"]`): history pages `[p_begin, p_end)` of codes for a block of up to
     `BLOCK_R` query rows (decode: 1 row, padded; verification blocks and GQA: `G * Q <= 16`) on tensor cores, the
@@ -1306,8 +1316,10 @@ def _codes_history_mma(
     v_hot` is computed as `P @ Vcold + P_hot @ Vlo` with `Vcold = (4 hi + 1.5) * scale + zero` from the `hi` plane
     for every token and `Vlo = v_hot - v_cold = (lo - 1.5) * scale`, whose `lo` words are loaded only for tokens
     some row reads hot (skipped, dots included, for a page where no row does). `PAGE_MAX_ONLY`: the first pass of
-    a split history, the page maxima of every row stored at `pmax_ptr + o_pm + page` (scores only). Returns the
-    V-precision counts `(cold, read)` per row ([BR] int32; zeros unless `COUNT`)."""
+    a split history, the page maxima of every row stored at `pmax_ptr + o_pm + page` (scores only). `OPT` 1 (V
+    precision's optimistic pass, `ops._coded_attention_fwd`): the value pass stores them too, and each row's lowest
+    score read hot at `hmin_ptr + o_part`. Returns the V-precision counts `(cold, read)` per row ([BR] int32; zeros
+    unless `COUNT`)."""
     LANES: tl.constexpr = 32 // KV_FMT  # key channels per word
     DW: tl.constexpr = D // LANES
     NKD: tl.constexpr = LANES // 4  # key dots per page (each K = 4 DW columns)
@@ -1352,6 +1364,7 @@ def _codes_history_mma(
     b_acc3 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
     b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
     b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
+    b_hmin = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)  # OPT 1: each row's lowest score read hot
     if USE_VPREC:  # 0x60036003 / 0x60006000 (`_mma_plane_pairs`), run-time values as `magic`
         magic_hi = magic - 0x03FD03FD
         magic_lo = magic - 0x04000400
@@ -1400,6 +1413,9 @@ def _codes_history_mma(
                 if COUNT:
                     b_cnt_all += tl.sum(m_vis.to(tl.int32), axis=1)
                     b_cnt_cold += tl.sum((m_vis & ~m_hot).to(tl.int32), axis=1)
+                if OPT == 1:
+                    tl.store(pmax_ptr + o_pm + i_p, b_mx, mask=m_row)
+                    b_hmin = tl.minimum(b_hmin, tl.min(tl.where(m_hot, b_s, float("inf")), axis=1))
                 b_acc0 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 0, False, FAST), IEEE)
                 b_acc1 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 1, False, FAST), IEEE)
                 b_acc2 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 2, False, FAST), IEEE)
@@ -1429,6 +1445,8 @@ def _codes_history_mma(
         _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc1, o_dv + 2, m_row, D)
         _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc2, o_dv + 4, m_row, D)
         _store_partial(o_ptr, lse_ptr, o_part, b_mr, b_l, b_acc3, o_dv + 6, m_row, D)
+        if OPT == 1:
+            tl.store(hmin_ptr + o_part, b_hmin, mask=m_row)
     return b_cnt_cold, b_cnt_all
 
 
@@ -1689,6 +1707,8 @@ def _coded_attention_fwd_kernel(
     FINAL: tl.constexpr = False,
     lb_ptr=None,  # LOOKBACK: int32 [1 + NS * B * H_kv * row blocks], zeroed: the ticket, then a flag per split
     LOOKBACK: tl.constexpr = False,
+    hmin_ptr=None,  # OPT: fp32 [NS, B * H_kv, G * Q], each history partial's lowest score read hot (log2 units)
+    OPT: tl.constexpr = 0,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
         tl.extra.cuda.gdc_wait()
@@ -1820,6 +1840,15 @@ def _coded_attention_fwd_kernel(
             p_flag = lb_ptr + 1 + (i_r * tl.num_programs(1) + i_bh) * NS
         o_t0 = tl.arange(0, PAGE)
         o_part = (i_s * tl.num_programs(1) + i_bh) * (G * Q) + o_r
+        # V precision's optimistic pass (`ops.ROW1_TUNING["vprec_optimistic"]`): OPT 1 runs the value pass seeded
+        # with the sink's maximum alone and stores its page maxima and lowest hot score; OPT 2 then reruns a split
+        # only where the earlier splits' maxima turn one of its hot tokens cold (else its partial stands)
+        OPT_PASS: tl.constexpr = OPT == 1
+        if OPT == 2:
+            b_hm = tl.load(hmin_ptr + o_part, mask=m_row, other=float("inf"))
+            run = tl.max((b_hm < b_run - margin).to(tl.int32), axis=0) > 0
+        else:
+            run = True
         # (b, h_kv)'s history: code words as int32 pointers (their strides in words), scales and zeros
         i32p: tl.constexpr = tl.pointer_type(tl.int32)
         p_hkw = (hk_ptr + i_b * stride_hkb + i_hk * stride_hkh).to(i32p)
@@ -1879,17 +1908,19 @@ def _coded_attention_fwd_kernel(
                     hist_start, p_begin, p_end, D, PAGE, VGROUP, KV_FMT, PAGE // SUB, USE_VALID, not IEEE, SUB_STAGES,
                 )  # fmt: skip
             elif WORDS:  # codes as 32-bit words (byte offsets of (b, h_kv) first; strides in words)
-                _codes_history_row1w(
-                    b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, qk_scale, o_ptr, lse_ptr,
-                    pmax_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
-                    stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
-                    i_bh * (G * Q) + i_x if ROWX else i_bh,  # the row of the page maxima
-                    part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * (G * Q),
-                    part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),  # V-precision counts' slot
-                    nh1 if ROWX else tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
-                    hist_start, p_begin, p_end, n_pages, margin, p_sc,
-                    D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, SCORES, DH,
-                )  # fmt: skip
+                if run:  # OPT 2: only a split whose hot set the earlier splits change
+                    _codes_history_row1w(
+                        b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, qk_scale, o_ptr, lse_ptr,
+                        pmax_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
+                        stats_ptr, stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst,
+                        i_bh * (G * Q) + i_x if ROWX else i_bh,  # the row of the page maxima
+                        part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * (G * Q),
+                        part1 if ROWX else (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2),  # V-precision counts' slot
+                        nh1 if ROWX else tl.sum(tl.where(o_r == 0, b_nh, 0), axis=0),
+                        hist_start, p_begin, p_end, n_pages, margin, p_sc,
+                        D, PAGE, VGROUP, KV_FMT, NP, USE_VALID, USE_VPREC, COUNT, PAGE_MAX_ONLY, not IEEE, SCORES, DH,
+                        hmin_ptr, OPT_PASS,
+                    )  # fmt: skip
             else:
                 _codes_history_row1(
                     b_q1, b_run1, q_ptr + i_b * stride_qb + (i_hk * G) * stride_qh, o_ptr, lse_ptr, pmax_ptr, p_valid,
@@ -1920,15 +1951,17 @@ def _coded_attention_fwd_kernel(
                 b_runm = b_run
             else:
                 b_runm = b_m
-            b_cnt_mc, b_cnt_ma = _codes_history_mma(
-                q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh, m_row,
-                o_ptr, lse_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
-                stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
-                qk_scale, b_runm, margin, pmax_ptr, (i_bh * (G * Q) + o_r) * n_pages,
-                D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE, USE_VPREC, COUNT, PAGE_MAX_ONLY, MMA_STAGES,
-            )  # fmt: skip
-            if COUNT:
-                b_cnt_cold, b_cnt_all = b_cnt_mc, b_cnt_ma
+            if run:
+                b_cnt_mc, b_cnt_ma = _codes_history_mma(
+                    q_ptr + i_b * stride_qb + (i_hk * G + o_g)[:, None] * stride_qh + o_i[:, None] * stride_qq, b_nh,
+                    m_row, o_ptr, lse_ptr, p_valid, stride_validt, p_hkw, p_hks, p_hkz, p_hvw, p_hvlw, p_hvs, p_hvz,
+                    stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
+                    qk_scale, b_runm, margin, pmax_ptr, (i_bh * (G * Q) + o_r) * n_pages,
+                    D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE, USE_VPREC, COUNT, PAGE_MAX_ONLY, MMA_STAGES,
+                    hmin_ptr, OPT_PASS,
+                )  # fmt: skip
+                if COUNT:
+                    b_cnt_cold, b_cnt_all = b_cnt_mc, b_cnt_ma
         elif KV_FMT == 0:
             p_k = hk_ptr + i_b * stride_hkb + i_hk * stride_hkh + o_d[None, :]
             p_v = hv_ptr + i_b * stride_hvb + i_hk * stride_hvh + o_d[None, :]
@@ -2058,10 +2091,11 @@ def _coded_attention_fwd_kernel(
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc1, o_cv * 4 + 1, m_row, D)
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc2, o_cv * 4 + 2, m_row, D)
                 _store_partial(o_ptr, lse_ptr, o_part, b_m, b_l, b_acc3, o_cv * 4 + 3, m_row, D)
-        if COUNT and not PAGE_MAX_ONLY and not ROW1:
-            i_prog = (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2) + i_r
-            tl.store(stats_ptr + i_prog * 2, tl.sum(b_cnt_cold, axis=0))
-            tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(b_cnt_all, axis=0))
+        if COUNT and not PAGE_MAX_ONLY and not ROW1:  # noqa: SIM102 (compile-time, then a run-time branch)
+            if run:  # OPT 2: a split not rerun keeps the optimistic pass's counts
+                i_prog = (i_s * tl.num_programs(1) + i_bh) * tl.num_programs(2) + i_r
+                tl.store(stats_ptr + i_prog * 2, tl.sum(b_cnt_cold, axis=0))
+                tl.store(stats_ptr + i_prog * 2 + 1, tl.sum(b_cnt_all, axis=0))
 
 
 @triton.jit(do_not_specialize=["NS", "Q"])

@@ -37,7 +37,7 @@ ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
-    "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False,
+    "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -101,7 +101,23 @@ starts, so a split waits only on splits already running (no deadlock whatever or
 Its own pages' key codes are read twice, the second time soon after the first (from L2 where they still fit), and
 the last split skips the first pass (but with v5's `scores`, whose value pass reads the scores the first pass
 stores). It applies to v9 (`mma_vprec`) and to the one-row word loops (v4, v5's modes); v7's per-row programs keep
-two launches. One zeroed int32 buffer per call (a memset)."""
+two launches. One zeroed int32 buffer per call (a memset). Where it applies it goes first: `vprec_optimistic` is then
+not used.
+
+`vprec_optimistic` (session 32, default True; v9, and v4's one-row loop when `vprec` is "v4"): V precision over a
+split history without the page-maxima pass. The first launch runs every split's value pass seeded with the sink's
+maximum alone (the earlier splits' maxima unknown), storing its page maxima and each row's lowest score it read hot;
+the second starts the history programs again, and each computes its split's true running maximum from the earlier
+splits' stored maxima and reruns the split only if that maximum turns a token it read hot cold (some row's lowest
+hot score below the maximum less tau); otherwise its partial and counts stand. Exact (same cold set, output and
+counts as the two-launch path: a larger maximum only turns hot tokens cold). Where the sink's score leads the
+history's, as in trained models, nothing reruns and the key codes are read once. Where it runs, V precision splits
+the history as plain INT4 does. H100 (torch 2.11.0+cu130, Triton 3.6.0, bf16, 80% cold, graph replay, L2 flushed):
+a 5-token block at 1,280 x 8 in 97.0 us against 109.5 with the page-maxima pass; at 8K x 1 / 8 / 16 / 64, 63.9 /
+381.5 / 642.3 / 2,159.4 against 72.8 / 481.7 / 844.6 / 2,702.2; plain INT4 35.7 / 243.0 / 417.7 / 1,478.3. v4's
+one-row loop with it against v5's `scores` (the one-row default, left as it is): 59.0 against 52.3 us at 1,280 x 8,
+46.4 / 149.1 / 248.7 / 879.5 against 45.9 / 144.1 / 236.3 / 968.6 at 8K x 1 / 8 / 16 / 64
+(`benchmarks/results/coded_attention_h100_s32_optimistic_*.json`)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -268,7 +284,13 @@ def _coded_attention_fwd(
     lookback = tune.get("vprec_lookback", False)
     if lookback not in (0, 1) or not isinstance(lookback, (bool, int)):
         raise ValueError(f"`tuning['vprec_lookback']` must be a bool (or 0 / 1), got {lookback!r}")
+    optimistic = tune.get("vprec_optimistic", False)
+    if optimistic not in (0, 1) or not isinstance(optimistic, (bool, int)):
+        raise ValueError(f"`tuning['vprec_optimistic']` must be a bool (or 0 / 1), got {optimistic!r}")
     lookback = bool(lookback) and use_vprec and (mma or (words and not rowx))  # v9, or the one-row word loops
+    # the optimistic pass extends v9's loop and v4's one-row loop (`vprec` "v4"); `vprec_lookback` goes first.
+    # Where it runs, V precision splits the history as plain INT4 does
+    optimistic = bool(optimistic) and use_vprec and (mma or (words and not rowx and vmode == "v4")) and not lookback
     vpipe = use_vprec and words and vmode in ("pipe", "scores") and not rowx  # v5 reads one row per KV head
     sub = tune.get("sub", 1)
     if sub not in (1, 2, 4) or (sub > 1 and tune["pages"] != 1):
@@ -294,7 +316,7 @@ def _coded_attention_fwd(
         fill = tune.get("vprec_fill", 4) if vpipe and vmode == "scores" else 1
         if mma:  # v9: v8's split count unless the row blocks alone fill the SMs at its programs per SM
             fill = per_sm
-        if use_vprec and base_h >= fill * sms:
+        if use_vprec and base_h >= fill * sms and not optimistic:
             ns = 1
         else:
             ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base_h)))
@@ -312,6 +334,7 @@ def _coded_attention_fwd(
         sub, num_warps = 2, 1
     read_prefix = use_vprec and ns > 1
     lookback = lookback and read_prefix  # one split: one pass already
+    optimistic = optimistic and read_prefix
     if vpipe and vmode == "scores" and not read_prefix:
         vpipe = False  # one split per row block: v4's loop (H200, 8K x 64: 969 us against the pipelined 1,068)
     scores = read_prefix and vpipe and vmode == "scores"  # v5: the first pass also writes every token's score
@@ -363,8 +386,9 @@ def _coded_attention_fwd(
     stats_part = torch.zeros(max(ns, 1) * b * hkv * slots, 2, dtype=torch.int32, device=dev) if count else lse_part
     # the ticket, then a flag per (row block, b * h_kv, split)
     flags = torch.zeros(1 + ns * b * hkv * n_rblocks, dtype=torch.int32, device=dev) if lookback else None
+    hmin = torch.empty(ns, b * hkv, rows, dtype=torch.float32, device=dev) if optimistic else None
 
-    def args(page_max_only: bool) -> dict:
+    def args(page_max_only: bool, opt: int = 0) -> dict:
         return dict(
             q_ptr=query,
             o_ptr=o_part,
@@ -431,7 +455,7 @@ def _coded_attention_fwd(
             USE_VALID=key_valid is not None,
             USE_VPREC=use_vprec,
             COUNT=count,
-            READ_PREFIX=read_prefix,
+            READ_PREFIX=read_prefix and opt != 1,
             PAGE_MAX_ONLY=page_max_only,
             IEEE=query.dtype == torch.float32,
             ROW1=row1,
@@ -450,6 +474,7 @@ def _coded_attention_fwd(
             FINAL=final,
             **(_prior_args(prior) if final else {}),
             **({"lb_ptr": flags, "LOOKBACK": True} if lookback else {}),
+            **({"hmin_ptr": hmin, "OPT": opt} if opt else {}),
         )
 
     if row1 or mma:
@@ -462,9 +487,15 @@ def _coded_attention_fwd(
         launch = {}
     # v7: `ns * rows` history programs (split-major, the rows of a split adjacent: they read the same codes)
     pdl = pdl_options(query)
-    if read_prefix and not lookback:
-        _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **pdl, **launch)
-    _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **pdl, **launch)
+    if optimistic:
+        # V precision, optimistic: every split's value pass seeded with the sink's maximum alone (and the tail),
+        # then a launch that reruns only the splits whose hot set the earlier splits' page maxima change
+        _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False, 1), **pdl, **launch)
+        _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(False, 2), **pdl, **launch)
+    else:
+        if read_prefix and not lookback:
+            _coded_attention_fwd_kernel[(n_hist, b * hkv, n_rblocks)](**args(True), **pdl, **launch)
+        _coded_attention_fwd_kernel[(n_hist + nt, b * hkv, n_rblocks)](**args(False), **pdl, **launch)
     if final:
         return out, lse
     out = torch.empty_like(query)
