@@ -456,10 +456,6 @@ def wait_for(path: str, timeout_s: float | None) -> float:
     return round(time.perf_counter() - start, 1)
 
 
-def _on_off(flag: bool) -> str:
-    return "on" if flag else "off"
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `main` (the suite's tests parse its command lines with it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -520,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vprec-lookback", nargs="+", default=["off"], choices=("on", "off"),
                         help="V precision over a split history in one launch (on) or two (off) "
                              "(ROW1_TUNING['vprec_lookback'])")
-    parser.add_argument("--vprec-optimistic", nargs="+", default=[_on_off(ROW1_TUNING["vprec_optimistic"])],
+    parser.add_argument("--vprec-optimistic", nargs="+", default=["on" if ROW1_TUNING["vprec_optimistic"] else "off"],
                         choices=("on", "off"),
                         help="V precision over a split history as an optimistic value pass and a check that reruns "
                              "the splits whose hot set changes (on), or after a page-maxima pass (off) "

@@ -10,9 +10,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-def record_launches(monkeypatch: Any, kernel: str, pick: Callable[[tuple, dict], Any]) -> list:
+def record_launches(
+    monkeypatch: Any, kernel: str, pick: Callable[[tuple, dict], Any], alter: Callable[[dict], dict] | None = None
+) -> list:
     """Replace `triton_ops.coded_attention.kernels.<kernel>` by a recorder that appends `pick(grid, kwargs)` for
-    each launch, then launches the real kernel; returns the list it appends to."""
+    each launch, then launches the real kernel; returns the list it appends to. `alter`: the launch's kwargs are
+    replaced by `alter(kwargs)` first (what `pick` sees and the kernel gets)."""
     from triton_ops.coded_attention import kernels
 
     real, seen = getattr(kernels, kernel), []
@@ -20,6 +23,8 @@ def record_launches(monkeypatch: Any, kernel: str, pick: Callable[[tuple, dict],
     class Recorder:
         def __getitem__(self, grid):
             def launch(**kw):
+                if alter is not None:
+                    kw = alter(kw)
                 seen.append(pick(grid, kw))
                 return real[grid](**kw)
 

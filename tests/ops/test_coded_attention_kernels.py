@@ -704,32 +704,20 @@ def test_vprec_optimistic_matches_reference(monkeypatch, case, tune, dtype):
     assert seen[0][5] == seen[0][6] + 1 and seen[1][5] == seen[1][6] > 1, seen  # the tail program in the first only
 
 
-def _optimistic_reruns(monkeypatch, data, tune):
-    """Output and reruns of the optimistic launches: the second launch is given its own V-precision count slots,
-    filled with -1, so that the slots of the splits it reruns (and only those) are written; returns the output and
-    a bool per split (any program of the split wrote its slot)."""
-    from triton_ops.coded_attention import kernels
+def _own_count_slots(kw: dict) -> dict:
+    """The second optimistic launch's kwargs with V-precision count slots of its own, filled with -1: the slots of
+    the splits it reruns (and only those) get written."""
+    return {**kw, "stats_ptr": torch.full_like(kw["stats_ptr"], -1)} if kw.get("OPT") == 2 else kw
 
-    real, slots = kernels._coded_attention_fwd_kernel, []
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                if kw.get("OPT") == 2:
-                    slots.append(torch.full_like(kw["stats_ptr"], -1))
-                    kw = {**kw, "stats_ptr": slots[-1]}
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Spy())
-    try:
-        out, _ = _run_kernel(data, stats=torch.zeros(2, dtype=torch.int64, device=DEVICE), tuning=tune)
-    finally:
-        monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", real)
-    assert len(slots) == 1
-    ns = data["case"].splits
-    return out, (slots[0].reshape(ns, -1) >= 0).any(1).tolist()
+def _optimistic_reruns(data, tune, slots):
+    """Output of the optimistic launches and a bool per split: did the second launch rerun it (`slots`: the list
+    `record_launches` fills with the second launch's own count slots, `_own_count_slots`)."""
+    slots.clear()
+    out, _ = _run_kernel(data, stats=torch.zeros(2, dtype=torch.int64, device=DEVICE), tuning=tune)
+    second = [s for s in slots if s is not None]
+    assert len(slots) == 2 and len(second) == 1, slots
+    return out, (second[0].reshape(data["case"].splits, -1) >= 0).any(1).tolist()
 
 
 @pytest.mark.parametrize("tune", [{"vprec": "v4"}, {"mma": True}], ids=["v4", "mma"])
@@ -739,13 +727,17 @@ def test_vprec_optimistic_reruns_only_where_the_hot_set_changes(monkeypatch, tun
     history score in page 0 and no sink: every later split, whose own maxima left tokens hot that page 0 makes
     cold, reruns; the first never can."""
     tune = {**tune, "vprec_optimistic": True}
+    slots = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel",
+        lambda grid, kw: kw["stats_ptr"] if kw.get("OPT") == 2 else None, alter=_own_count_slots,
+    )  # fmt: skip
     q_len = 5 if "mma" in tune else 1
     data = _build(Case(hist=128, S=4, Q=q_len, Hq=2, Hkv=2, D=64, splits=4, lean=0.5), torch.float32)
     data["tau"] = 16.0  # margin enough for some hot tokens; the sink's score still leads the history's
     stats = torch.zeros(2, dtype=torch.int64)
     ref, _ = _reference(data, stats=stats)
     assert 0 < stats[0].item() < stats[1].item(), stats
-    out, reran = _optimistic_reruns(monkeypatch, data, tune)
+    out, reran = _optimistic_reruns(data, tune, slots)
     assert (out.double().cpu() - ref).abs().max() <= ATOL[torch.float32]
     assert reran == [False] * 4, reran
     # history-led: page 0 holds the maximum, so the later splits' hot sets shrink
@@ -754,7 +746,7 @@ def test_vprec_optimistic_reruns_only_where_the_hot_set_changes(monkeypatch, tun
     k = naive.dequantize_keys(qk)
     k[:, :, 3] = data["q"][:, :, 0] * 6  # a key aligned with each head's first query (H_q = H_kv)
     data["history"] = (naive.quantize_keys(k, 4, group_size=PAGE), qv)
-    out, reran = _optimistic_reruns(monkeypatch, data, tune)
+    out, reran = _optimistic_reruns(data, tune, slots)
     assert reran == [False, True, True, True], reran
     assert (out.double().cpu() - _reference(data)[0]).abs().max() <= ATOL[torch.float32]
 

@@ -1364,7 +1364,8 @@ def _codes_history_mma(
     b_acc3 = tl.zeros([BLOCK_R, KV], dtype=tl.float32)
     b_cnt_cold = tl.zeros([BLOCK_R], dtype=tl.int32)
     b_cnt_all = tl.zeros([BLOCK_R], dtype=tl.int32)
-    b_hmin = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)  # OPT 1: each row's lowest score read hot
+    if OPT == 1:
+        b_hmin = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)  # each row's lowest score read hot
     if USE_VPREC:  # 0x60036003 / 0x60006000 (`_mma_plane_pairs`), run-time values as `magic`
         magic_hi = magic - 0x03FD03FD
         magic_lo = magic - 0x04000400
