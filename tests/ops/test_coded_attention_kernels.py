@@ -613,10 +613,39 @@ def test_mma_pipelined_settings_match_reference(launches):
     _check(case, torch.float16, tuning={"mma_stages": 3, "mma_warps": 2})
     assert launches and all(x[4] and x[5] == 2 for x in launches), launches
     # `mma_programs_per_sm`: the split count v8 aims at (the interpreter counts 4 SMs): 1 per SM over 2 KV heads
-    # gives 2 splits of the 10 pages, then the tail program
+    # gives 2 splits of the 10 pages, then the tail program (`mma_one_wave` off: on, it would fit them in one wave)
     launches.clear()
-    _check(Case(hist=300, Q=5, Hq=2, Hkv=2, D=64, vprec=False, lean=0.3), torch.float32, tuning={"mma_programs_per_sm": 1})
+    _check(Case(hist=300, Q=5, Hq=2, Hkv=2, D=64, vprec=False, lean=0.3), torch.float32,
+           tuning={"mma_programs_per_sm": 1, "mma_one_wave": False})  # fmt: skip
     assert [(x[4], x[3]) for x in launches] == [(True, 3)], launches
+
+
+@pytest.mark.parametrize("vprec", [False, True], ids=["int4", "int4-vprec"])
+def test_mma_split_count_fits_one_wave(monkeypatch, vprec):
+    """`mma_one_wave` (default on): v9's split count leaves the history and tail programs one wave of
+    `mma_programs_per_sm` per SM (the interpreter counts 4 SMs). 2 per SM over 2 KV heads is 4 programs per row
+    block: the plain rule's 4 splits of 2 pages bring 4 tail programs of 32 window slots (8 in all); 2 splits of 4
+    pages bring 2 tail programs of 64 slots (4), the most splits that fit. Same output, lse and cold counts either
+    way; a split count asked for (`num_splits`) stands."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    assert ROW1_TUNING["mma_one_wave"] is True
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["MMA"], grid[0], kw["NS"], kw.get("OPT", 0))
+    )
+    case = Case(hist=256, Q=5, Hq=2, Hkv=2, D=64, Wn=100, vprec=vprec, lean=0.3)
+    tune = {"mma_programs_per_sm": 2, "tail_min": 32}
+    _check(case, torch.float32, tuning={**tune, "mma_one_wave": False})
+    plain = [x[:3] for x in seen if x[3] != 2]  # (the optimistic pass's second launch starts history programs only)
+    seen.clear()
+    _check(case, torch.float32, tuning=tune)
+    fit = [x[:3] for x in seen if x[3] != 2]
+    assert plain == [(True, 8, 4)] and fit == [(True, 4, 2)], (plain, fit)
+    seen.clear()
+    _check(dataclasses.replace(case, splits=4), torch.float32, tuning=tune)
+    assert [x[:3] for x in seen if x[3] != 2] == [(True, 8, 4)], seen
+    with pytest.raises(ValueError, match=r"tuning\['mma_one_wave'\]"):
+        _run_kernel(_build(case, torch.float32), tuning={"mma_one_wave": 2})
 
 
 LOOKBACK_CASES = [

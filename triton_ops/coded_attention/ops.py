@@ -37,7 +37,7 @@ ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
-    "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True,
+    "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True, "mma_one_wave": True,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -117,7 +117,17 @@ a 5-token block at 1,280 x 8 in 97.0 us against 109.5 with the page-maxima pass;
 381.5 / 642.3 / 2,159.4 against 72.8 / 481.7 / 844.6 / 2,702.2; plain INT4 35.7 / 243.0 / 417.7 / 1,478.3. v4's
 one-row loop with it against v5's `scores` (the one-row default, left as it is): 59.0 against 52.3 us at 1,280 x 8,
 46.4 / 149.1 / 248.7 / 879.5 against 45.9 / 144.1 / 236.3 / 968.6 at 8K x 1 / 8 / 16 / 64
-(`benchmarks/results/coded_attention_h100_s32_optimistic_*.json`)."""
+(`benchmarks/results/coded_attention_h100_s32_optimistic_*.json`).
+
+`mma_one_wave` (session 33, default True): v9's split count keeps the history and tail programs of a call in one
+wave. Its programs hold 255 registers at one warp, so an SM runs `mma_programs_per_sm` (8) of them at once; the
+plain rule fills every slot with history programs and the tail programs then push whole splits into a second wave
+(Nsight Compute, H200, a 5-token INT4 block at 1,280 x 8: grid 13 x 128 for 1,056 slots, 1.58 waves, 10% of the
+warp slots occupied). With it on the launcher takes the most splits, at most the plain rule's, whose history and
+tail programs fit in `mma_programs_per_sm` per SM, where any do (batch 64 at 8K: none; the plain count stands).
+`num_splits` given, it does nothing. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
+bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
+241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -324,6 +334,43 @@ def _coded_attention_fwd(
     if num_splits is None and ns:
         pps = -(-pps // step) * step
     ns = -(-n_pages // pps) if ns else 0
+    tail_min = tune.get("tail_min", TAIL_MIN)
+    if isinstance(tail_min, bool) or not isinstance(tail_min, int) or tail_min < 1:
+        raise ValueError(f"`tuning['tail_min']` must be a positive int, got {tail_min!r}")
+    tail_opt = tune.get("tail_chunk") or None
+    if tail_opt is not None and (isinstance(tail_opt, bool) or not isinstance(tail_opt, int) or tail_opt < 1):
+        raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail_opt!r}")
+
+    one_wave = tune.get("mma_one_wave", True)
+    if one_wave not in (0, 1) or not isinstance(one_wave, (bool, int)):
+        raise ValueError(f"`tuning['mma_one_wave']` must be a bool (or 0 / 1), got {one_wave!r}")
+    one_wave = mma and bool(one_wave) and num_splits is None and ns > 1
+
+    def tail_plan(n_hist: int, pps: int, read_prefix: bool) -> tuple[int, bool, int]:
+        """(window slots per tail program, whether the kernel sizes them from the live pages, tail programs) for
+        `n_hist` history programs per row block of `pps` pages each (the rule in the comment below)."""
+        grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
+        dev_sized = static and tail_opt is None and grid_dev <= 2 * per_sm * sms
+        dev_sized = dev_sized and not (mma and (read_prefix or one_wave))
+        chunk = tail_opt
+        if chunk is None:
+            chunk = tail_min if dev_sized else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
+        return chunk, dev_sized, max(1, -(-w_len // chunk))
+
+    if one_wave:
+        # v9 (session 33): one wave. A program holds 255 registers, so `mma_programs_per_sm` (8) is also what an SM
+        # runs at once; the split count above fills those slots with history programs alone, and the tail programs
+        # then push whole splits into a second wave (H200, INT4, 5 tokens at 1,280 x 8: grid 13 x 128 for 1,056
+        # slots, 1.58 waves). Take the most splits whose history and tail programs fit in one wave, where some do
+        # (a static view's tail is then sized on the host: the device-sized one starts a program per `tail_min`
+        # slots of the ring, which is what takes the slots)
+        slots = per_sm * sms
+        for cand in range(ns, 0, -1):
+            pps_c = -(-n_pages // cand)
+            ns_c = -(-n_pages // pps_c)
+            if (ns_c + tail_plan(ns_c, pps_c, use_vprec and ns_c > 1)[2]) * base <= slots:
+                ns, pps = ns_c, pps_c
+                break
     num_warps = tune["num_warps"]
     # v6: short splits (<= 16 pages: batch 1-4 at 8K, batch 1 at 32K) run in half-page steps at one warp per program,
     # twice the programs per SM at the same registers (H200, INT4, 8K x 1: 22.2 us against 30.7, 32K x 1: 51.7 against
@@ -348,18 +395,8 @@ def _coded_attention_fwd(
     # (beyond, the idle tail programs push split programs into a second wave: H200, INT4 decode at 4K of 8K
     # preallocated x 16, 140.3 us against 113.4 with the chunk from every preallocated page) and not for v9's two
     # launches (V precision on v8: 3-4% slower at batch 8; README.md's kernel section has the rows)
-    tail_min = tune.get("tail_min", TAIL_MIN)
-    if isinstance(tail_min, bool) or not isinstance(tail_min, int) or tail_min < 1:
-        raise ValueError(f"`tuning['tail_min']` must be a positive int, got {tail_min!r}")
-    tail = tune.get("tail_chunk") or None
-    if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int) or tail < 1):
-        raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail!r}")
     n_hist = ns * rows if rowx else ns  # v7: a history program per (split, row), split-major (`ROWX`)
-    grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
-    tail_dev = static and tail is None and grid_dev <= 2 * per_sm * sms and not (mma and read_prefix)
-    if tail is None:
-        tail = tail_min if tail_dev else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
-    nt = max(1, -(-w_len // tail))
+    tail, tail_dev, nt = tail_plan(n_hist, pps, read_prefix)
     final_slots = tune.get("final_slots", TAIL_TUNING["final_slots"])
     if isinstance(final_slots, bool) or not isinstance(final_slots, int) or final_slots < 0:
         raise ValueError(f"`tuning['final_slots']` must be a non-negative int (0: never), got {final_slots!r}")
