@@ -648,6 +648,84 @@ def test_mma_split_count_fits_one_wave(monkeypatch, vprec):
         _run_kernel(_build(case, torch.float32), tuning={"mma_one_wave": 2})
 
 
+@pytest.mark.parametrize("vprec", [False, True], ids=["int4", "int4-vprec"])
+def test_row1_one_wave_is_opt_in(monkeypatch, vprec):
+    """`row1_one_wave` (default off) fits the one-row loops' history and tail programs in one wave of
+    `programs_per_sm` the same way (decode of 2 KV heads over 8 pages, 2 per SM on the interpreter's 4 SMs: 4 splits
+    + 4 tail programs by default, 2 + 2 with it); results as the reference's either way."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    assert ROW1_TUNING["row1_one_wave"] is False
+    seen = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["ROW1"], grid[0], kw["NS"]))
+    case = Case(hist=256, Q=1, Hq=2, Hkv=2, D=64, Wn=100, vprec=vprec, lean=0.3)
+    tune = {"programs_per_sm": 2, "tail_min": 32}
+    got = []
+    for flag in (False, True):
+        seen.clear()
+        _check(case, torch.float32, tuning={**tune, "row1_one_wave": flag})
+        got.append(seen[-1])  # the value pass (V precision's first pass, if any, comes before it)
+    assert got == [(True, 8, 4), (True, 4, 2)], got
+    with pytest.raises(ValueError, match=r"tuning\['row1_one_wave'\]"):
+        _run_kernel(_build(case, torch.float32), tuning={"row1_one_wave": "yes"})
+
+
+class _Planned(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "ctx, batch, capacity, vprec, plain, fit",
+    [
+        (1280, 8, 1536, False, (8, 13), (5, 8)),  # the host-sized tail: 3 programs of 128 slots, not 5 of 64
+        (1280, 8, 1536, True, (8, 12), (5, 8)),
+        (8192, 1, None, False, (62, 67), (50, 53)),
+        (8192, 8, None, True, (9, 10), (7, 8)),
+        (8192, 64, None, False, (2, 3), (2, 3)),  # 1,024 row blocks: nothing fits, the plain count stands
+    ],
+)  # fmt: skip
+def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, capacity, vprec, plain, fit):
+    """The launcher's (splits, programs per row block) at the shapes of session 33's sweep (Ouro's 16 x 128 heads,
+    5-token blocks, 132 SMs): with `mma_one_wave` the counts that ran fastest there at batch 8 (`mma_programs_per_sm`
+    4 at 1,280 x 8, 6 at 8K; at 8K x 1, 6's count, level with the plain one for INT4), the plain rule's without it.
+    Planned only (the launch is intercepted), so any device runs it."""
+    from benchmarks import tune_coded_attention as tune_tool
+    from triton_ops.coded_attention import kernels, ops
+
+    heads, d = tune_tool.HEADS, tune_tool.D
+    t = max(ctx, capacity or 0)
+    base = dict(
+        q=(1, heads, 5, d), sk=(1, heads, tune_tool.SINK, d), sv=(1, heads, tune_tool.SINK, d),
+        wk=(1, heads, tune_tool.WINDOW + PAGE + 16, d), wv=(1, heads, tune_tool.WINDOW + PAGE + 16, d),
+        nk=(1, heads, 16, d), nv=(1, heads, 16, d), ks=(1, heads, t // PAGE, d), kz=(1, heads, t // PAGE, d),
+        kc4=(1, heads, t, d // 2), vh=(1, heads, t, d // 4), vl=(1, heads, t, d // 4),
+        vs=(1, heads, t, d // 32), vz=(1, heads, t, d // 32),
+    )  # fmt: skip
+    data = {
+        k: torch.zeros(shape, dtype=torch.uint8 if k in ("kc4", "vh", "vl") else torch.float16).expand(batch, *shape[1:])
+        for k, shape in base.items()
+    }
+    monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
+    got = []
+
+    class Planner:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                got.append((kw["NS"], grid[0]))
+                raise _Planned
+
+            return launch
+
+    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Planner())
+    view, _ = tune_tool._view(data, batch, ctx, 4, queries=5, capacity=capacity)
+    for one_wave in (False, True):
+        with pytest.raises(_Planned):
+            ops._coded_attention_fwd(
+                data["q"], view, scaling=d**-0.5, v_precision_tau=0.5 if vprec else None,
+                tuning={"mma_one_wave": one_wave},
+            )  # fmt: skip
+    assert got == [plain, fit], got
+
+
 LOOKBACK_CASES = [
     # v9 (5-token blocks over INT4, per-query bounds across pages, padding holes): 2 and 3 splits, and the
     # launcher's own count; GQA 2 x 3 tokens at a padded head dim (guard columns)

@@ -38,6 +38,7 @@ ROW1_TUNING = {
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
     "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True, "mma_one_wave": True,
+    "row1_one_wave": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -125,7 +126,10 @@ plain rule fills every slot with history programs and the tail programs then pus
 (Nsight Compute, H200, a 5-token INT4 block at 1,280 x 8: grid 13 x 128 for 1,056 slots, 1.58 waves, 10% of the
 warp slots occupied). With it on the launcher takes the most splits, at most the plain rule's, whose history and
 tail programs fit in `mma_programs_per_sm` per SM, where any do (batch 64 at 8K: none; the plain count stands).
-`num_splits` given, it does nothing. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
+`num_splits` given, it does nothing. `row1_one_wave` (default False, not timed yet) applies the same rule to the
+one-row word loops (decode without GQA; not v7's per-row programs) at `programs_per_sm` per SM: Nsight Compute
+found v6's one-warp decode programs at 1.58 waves and v5's value pass at 2.10 at 1,280 x 8 (the SM runs 8 and 6 of
+them). H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
 bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
@@ -172,8 +176,11 @@ def tuning_value(raw: str) -> object:
     return int(raw) if raw.lstrip("-").isdigit() else raw
 
 
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    """The SMs the split counts aim at: the GPU's, or 4 elsewhere (the interpreter; tests pin other counts here)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
 def _strides(t: Tensor | None, n: int = 3) -> list[int]:
@@ -314,7 +321,7 @@ def _coded_attention_fwd(
     step = tune["pages"] if row1 else 1  # pages per loop step: a split holds whole steps where it can
     if vpipe and tune.get("vprec_unroll"):
         step *= 2  # two steps per iteration (`kernels._codes_history_row1p`, VUNROLL)
-    sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 4
+    sms = _num_sms(dev)
     per_sm = tune["programs_per_sm"] if row1 else mma_per_sm if mma else (4 if fmt else dense["programs_per_sm"])
     if n_pages == 0:
         ns = 0
@@ -341,17 +348,19 @@ def _coded_attention_fwd(
     if tail_opt is not None and (isinstance(tail_opt, bool) or not isinstance(tail_opt, int) or tail_opt < 1):
         raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail_opt!r}")
 
-    one_wave = tune.get("mma_one_wave", True)
-    if one_wave not in (0, 1) or not isinstance(one_wave, (bool, int)):
-        raise ValueError(f"`tuning['mma_one_wave']` must be a bool (or 0 / 1), got {one_wave!r}")
-    one_wave = mma and bool(one_wave) and num_splits is None and ns > 1
+    for key in ("mma_one_wave", "row1_one_wave"):
+        if tune[key] not in (0, 1) or not isinstance(tune[key], (bool, int)):
+            raise ValueError(f"`tuning['{key}']` must be a bool (or 0 / 1), got {tune[key]!r}")
+    # the split count below: v9's by default; the one-row loops' (not v7's per-row programs) only if asked
+    one_wave = bool(tune["mma_one_wave"]) if mma else bool(tune["row1_one_wave"]) and row1 and not rowx
+    one_wave = one_wave and num_splits is None and ns > 1
 
     def tail_plan(n_hist: int, pps: int, read_prefix: bool) -> tuple[int, bool, int]:
         """(window slots per tail program, whether the kernel sizes them from the live pages, tail programs) for
         `n_hist` history programs per row block of `pps` pages each (the rule in the comment below)."""
         grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
         dev_sized = static and tail_opt is None and grid_dev <= 2 * per_sm * sms
-        dev_sized = dev_sized and not (mma and (read_prefix or one_wave))
+        dev_sized = dev_sized and not (mma and read_prefix) and not one_wave
         chunk = tail_opt
         if chunk is None:
             chunk = tail_min if dev_sized else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
@@ -363,10 +372,12 @@ def _coded_attention_fwd(
         # then push whole splits into a second wave (H200, INT4, 5 tokens at 1,280 x 8: grid 13 x 128 for 1,056
         # slots, 1.58 waves). Take the most splits whose history and tail programs fit in one wave, where some do
         # (a static view's tail is then sized on the host: the device-sized one starts a program per `tail_min`
-        # slots of the ring, which is what takes the slots)
+        # slots of the ring, which is what takes the slots). `row1_one_wave` asks the same of the one-row loops at
+        # `programs_per_sm` (session 33, off: not timed yet)
         slots = per_sm * sms
         for cand in range(ns, 0, -1):
             pps_c = -(-n_pages // cand)
+            pps_c = -(-pps_c // step) * step  # whole steps, as above
             ns_c = -(-n_pages // pps_c)
             if (ns_c + tail_plan(ns_c, pps_c, use_vprec and ns_c > 1)[2]) * base <= slots:
                 ns, pps = ns_c, pps_c
