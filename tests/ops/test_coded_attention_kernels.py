@@ -689,7 +689,7 @@ def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, 
     4 at 1,280 x 8, 6 at 8K; at 8K x 1, 6's count, level with the plain one for INT4), the plain rule's without it.
     Planned only (the launch is intercepted), so any device runs it."""
     from benchmarks import tune_coded_attention as tune_tool
-    from triton_ops.coded_attention import kernels, ops
+    from triton_ops.coded_attention import ops
 
     heads, d = tune_tool.HEADS, tune_tool.D
     t = max(ctx, capacity or 0)
@@ -707,15 +707,11 @@ def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, 
     monkeypatch.setattr(ops, "_num_sms", lambda device: 132)
     got = []
 
-    class Planner:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                got.append((kw["NS"], grid[0]))
-                raise _Planned
+    def plan_only(grid, kw):  # recorded, then the launch is stopped before the kernel runs
+        got.append((kw["NS"], grid[0]))
+        raise _Planned
 
-            return launch
-
-    monkeypatch.setattr(kernels, "_coded_attention_fwd_kernel", Planner())
+    record_launches(monkeypatch, "_coded_attention_fwd_kernel", plan_only)
     view, _ = tune_tool._view(data, batch, ctx, 4, queries=5, capacity=capacity)
     for one_wave in (False, True):
         with pytest.raises(_Planned):

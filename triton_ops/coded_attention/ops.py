@@ -337,10 +337,16 @@ def _coded_attention_fwd(
             ns = 1
         else:
             ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base_h)))
-    pps = -(-n_pages // ns) if ns else 0
-    if num_splits is None and ns:
-        pps = -(-pps // step) * step
-    ns = -(-n_pages // pps) if ns else 0
+
+    def share(ns: int) -> tuple[int, int]:
+        """(splits, pages per split) when the pages are shared out among `ns` splits (whole steps where the launcher
+        chose the count)."""
+        pps = -(-n_pages // ns)
+        if num_splits is None:
+            pps = -(-pps // step) * step
+        return -(-n_pages // pps), pps
+
+    ns, pps = share(ns) if ns else (0, 0)
     tail_min = tune.get("tail_min", TAIL_MIN)
     if isinstance(tail_min, bool) or not isinstance(tail_min, int) or tail_min < 1:
         raise ValueError(f"`tuning['tail_min']` must be a positive int, got {tail_min!r}")
@@ -376,9 +382,7 @@ def _coded_attention_fwd(
         # `programs_per_sm` (session 33, off: not timed yet)
         slots = per_sm * sms
         for cand in range(ns, 0, -1):
-            pps_c = -(-n_pages // cand)
-            pps_c = -(-pps_c // step) * step  # whole steps, as above
-            ns_c = -(-n_pages // pps_c)
+            ns_c, pps_c = share(cand)
             if (ns_c + tail_plan(ns_c, pps_c, use_vprec and ns_c > 1)[2]) * base <= slots:
                 ns, pps = ns_c, pps_c
                 break
