@@ -23,6 +23,9 @@ word path per (split, row) on (`ROW1_TUNING["rows_max"]`, off by default: the ge
 
     python -m benchmarks.tune_coded_attention --queries 5 --configs 1,2,1,8,1 1,2,1,8,1,rows_max=16 \
         --providers int4 int2 int4-vprec --batches 1 8 16 --contexts 8192 32768 --out /tmp/v7.json
+
+`--plot FILE.json` draws a results file as bars of microseconds per call (one group per context x batch, one bar per
+setting and provider, `--baseline`'s rows included) into `FILE.png`, and exits.
 """
 
 from __future__ import annotations
@@ -180,8 +183,46 @@ def _write(path, dev, rows):
         json.dump(dict(device=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, rows=rows), f)
 
 
+def plot(path, out=None):
+    """Bars of microseconds per call, one group per (context, batch) and one bar per (setting, provider), from a
+    results file of this tool (`rows`, as `--out` writes it or several runs combined with a `run` field)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        data = json.load(f)
+    rows = [r for r in data["rows"] if "us" in r]
+    if not rows:
+        raise SystemExit(f"{path}: no timed rows to plot")
+    shapes = sorted({(r["context"], r["batch"]) for r in rows})
+    series = list(dict.fromkeys((r["config"], r["provider"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(shapes) + 2), 4.2))
+    width = 0.8 / len(series)
+    for k, (cfg, prov) in enumerate(series):
+        got = {(r["context"], r["batch"]): r["us"] for r in rows if (r["config"], r["provider"]) == (cfg, prov)}
+        xs = [i + (k - (len(series) - 1) / 2) * width for i, sh in enumerate(shapes) if sh in got]
+        ax.bar(xs, [got[sh] for sh in shapes if sh in got], width, label=cfg if cfg == prov else f"{prov} {cfg}")
+    ax.set_xticks(range(len(shapes)), [f"{c:,} x {b}" for c, b in shapes])
+    ax.set_xlabel("context x batch")
+    ax.set_ylabel("us per call (graph replay, L2 flushed)")
+    ax.set_yscale("log")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    env = data.get("environment", {"gpu_name": data.get("device"), "torch": data.get("torch")})
+    q = {r.get("queries", 1) for r in rows}
+    ax.set_title(f"coded_attention, {max(q)} new token(s) per row, 16 x 128 heads; {env.get('gpu_name')}, torch "
+                 f"{env.get('torch')}, triton {env.get('triton', '?')}", fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    out = out or str(path).rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--plot", default=None, metavar="JSON", help="plot a results file (bars of us per call) and exit")
     p.add_argument(
         "--configs", nargs="+", default=["4,4,1,4"],
         help="pages,num_warps,num_stages,programs_per_sm[,words[,vprec]][,key=value...] (vprec: v4 / pipe / scores;"
@@ -199,6 +240,9 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: only the checks, under TRITON_INTERPRET=1 (bf16 -> fp32)")
     args = p.parse_args(argv)
+    if args.plot:
+        plot(args.plot)
+        return
     if not 1 <= args.queries <= QMAX:
         raise ValueError(f"`--queries` must be in [1, {QMAX}], got {args.queries}")
     nq = args.queries

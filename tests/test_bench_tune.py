@@ -36,3 +36,36 @@ def test_tuning_values_read_from_the_command_line():
     assert tuning_value("true") is True and tuning_value("FALSE") is False
     assert tuning_value("168") == 168 and tuning_value("-1") == -1 and isinstance(tuning_value("0"), int)
     assert tuning_value("scores") == "scores"
+
+
+def test_plot_draws_every_timed_setting_and_refuses_an_empty_file(tmp_path, monkeypatch):
+    """`--plot`: one bar per (setting, provider) and shape of a results file, errors left out; a file with nothing
+    timed is refused by name instead of drawing an empty chart."""
+    import json
+
+    import matplotlib.axes
+
+    rows = [
+        dict(config="1,2,1,8,1", provider="int4", batch=8, context=1280, queries=5, us=47.2),
+        dict(config="1,2,1,8,1", provider="int4", batch=1, context=8192, queries=5, us=34.5),
+        dict(config="1,2,1,8,1,mma_one_wave=0", provider="int4-vprec", batch=8, context=1280, queries=5, us=96.4),
+        dict(config="sdpa-bf16", provider="sdpa-bf16", batch=8, context=1280, us=47.1),
+        dict(config="bad", provider="int4", error="did not compile"),
+    ]
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(dict(device="GPU", torch="2.11", rows=rows)))
+    bars = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "bar",
+        lambda ax, x, h, *a, **k: bars.append((list(h), k["label"])) or real_bar(ax, x, h, *a, **k),
+    )
+    tune.main(["--plot", str(path)])
+    assert (tmp_path / "ab.png").stat().st_size > 0
+    assert sorted(bars) == sorted(
+        [([47.2, 34.5], "int4 1,2,1,8,1"), ([96.4], "int4-vprec 1,2,1,8,1,mma_one_wave=0"), ([47.1], "sdpa-bf16")]
+    )
+    path.write_text(json.dumps(dict(device="GPU", torch="2.11", rows=rows[-1:])))
+    with pytest.raises(SystemExit, match="no timed rows"):
+        tune.main(["--plot", str(path)])
