@@ -126,10 +126,12 @@ plain rule fills every slot with history programs and the tail programs then pus
 (Nsight Compute, H200, a 5-token INT4 block at 1,280 x 8: grid 13 x 128 for 1,056 slots, 1.58 waves, 10% of the
 warp slots occupied). With it on the launcher takes the most splits, at most the plain rule's, whose history and
 tail programs fit in `mma_programs_per_sm` per SM, where any do (batch 64 at 8K: none; the plain count stands).
-`num_splits` given, it does nothing. `row1_one_wave` (default False, not timed yet) applies the same rule to the
-one-row word loops (decode without GQA; not v7's per-row programs) at `programs_per_sm` per SM: Nsight Compute
-found v6's one-warp decode programs at 1.58 waves and v5's value pass at 2.10 at 1,280 x 8 (the SM runs 8 and 6 of
-them). H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
+`num_splits` given, it does nothing. `row1_one_wave` (default False) applies the same rule to the one-row word
+loops (decode without GQA; not v7's per-row programs) at `programs_per_sm` per SM: Nsight Compute found v6's
+one-warp decode programs at 1.58 waves and v5's value pass at 2.10 at 1,280 x 8 (the SM runs 8 and 6 of them).
+Timed in session 34 (H100, `coded_attention_h100_s34_q1_row1_one_wave_ab.json`): mixed by shape (INT4 -11% at
+1,280 x 8 and 8K x 8, +4% at 8K x 16; V precision at 6 per SM -13% / -21% / -13% at 1,280 x 8, 8K x 1, 8K x 8, +9%
+at 8K x 16), so it stays off. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
 bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
