@@ -673,28 +673,16 @@ class _Planned(Exception):
     pass
 
 
-@pytest.mark.parametrize(
-    "ctx, batch, capacity, vprec, plain, fit",
-    [
-        (1280, 8, 1536, False, (8, 13), (5, 8)),  # the host-sized tail: 3 programs of 128 slots, not 5 of 64
-        (1280, 8, 1536, True, (8, 12), (5, 8)),
-        (8192, 1, None, False, (62, 67), (50, 53)),
-        (8192, 8, None, True, (9, 10), (7, 8)),
-        (8192, 64, None, False, (2, 3), (2, 3)),  # 1,024 row blocks: nothing fits, the plain count stands
-    ],
-)  # fmt: skip
-def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, capacity, vprec, plain, fit):
-    """The launcher's (splits, programs per row block) at the shapes of session 33's sweep (Ouro's 16 x 128 heads,
-    5-token blocks, 132 SMs): with `mma_one_wave` the counts that ran fastest there at batch 8 (`mma_programs_per_sm`
-    4 at 1,280 x 8, 6 at 8K; at 8K x 1, 6's count, level with the plain one for INT4), the plain rule's without it.
-    Planned only (the launch is intercepted), so any device runs it."""
+def _plans_at_ouro_shapes(monkeypatch, ctx, batch, capacity, vprec, queries, tunings):
+    """The launcher's (splits, first launch's programs per row block) for each of `tunings`, at Ouro's 16 x 128 heads
+    with the tune tool's layout and 132 SMs. Planned only (the launch is intercepted), so any device runs it."""
     from benchmarks import tune_coded_attention as tune_tool
     from triton_ops.coded_attention import ops
 
     heads, d = tune_tool.HEADS, tune_tool.D
     t = max(ctx, capacity or 0)
     base = dict(
-        q=(1, heads, 5, d), sk=(1, heads, tune_tool.SINK, d), sv=(1, heads, tune_tool.SINK, d),
+        q=(1, heads, queries, d), sk=(1, heads, tune_tool.SINK, d), sv=(1, heads, tune_tool.SINK, d),
         wk=(1, heads, tune_tool.WINDOW + PAGE + 16, d), wv=(1, heads, tune_tool.WINDOW + PAGE + 16, d),
         nk=(1, heads, 16, d), nv=(1, heads, 16, d), ks=(1, heads, t // PAGE, d), kz=(1, heads, t // PAGE, d),
         kc4=(1, heads, t, d // 2), vh=(1, heads, t, d // 4), vl=(1, heads, t, d // 4),
@@ -712,14 +700,83 @@ def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, 
         raise _Planned
 
     record_launches(monkeypatch, "_coded_attention_fwd_kernel", plan_only)
-    view, _ = tune_tool._view(data, batch, ctx, 4, queries=5, capacity=capacity)
-    for one_wave in (False, True):
+    view, _ = tune_tool._view(data, batch, ctx, 4, queries=queries, capacity=capacity)
+    for tuning in tunings:
         with pytest.raises(_Planned):
             ops._coded_attention_fwd(
-                data["q"], view, scaling=d**-0.5, v_precision_tau=0.5 if vprec else None,
-                tuning={"mma_one_wave": one_wave},
+                data["q"], view, scaling=d**-0.5, v_precision_tau=0.5 if vprec else None, tuning=tuning
             )  # fmt: skip
+    return got
+
+
+@pytest.mark.parametrize(
+    "ctx, batch, capacity, vprec, plain, fit",
+    [
+        (1280, 8, 1536, False, (8, 13), (5, 8)),  # the host-sized tail: 3 programs of 128 slots, not 5 of 64
+        (1280, 8, 1536, True, (8, 12), (5, 8)),
+        (8192, 1, None, False, (62, 67), (50, 53)),
+        (8192, 8, None, True, (9, 10), (7, 8)),
+        (8192, 64, None, False, (2, 3), (2, 3)),  # 1,024 row blocks: nothing fits, the plain count stands
+    ],
+)  # fmt: skip
+def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, capacity, vprec, plain, fit):
+    """The launcher's (splits, programs per row block) at the shapes of session 33's sweep (Ouro's 16 x 128 heads,
+    5-token blocks, 132 SMs): with `mma_one_wave` the counts that ran fastest there at batch 8 (`mma_programs_per_sm`
+    4 at 1,280 x 8, 6 at 8K; at 8K x 1, 6's count, level with the plain one for INT4), the plain rule's without it."""
+    tunings = [{"mma_one_wave": False}, {"mma_one_wave": True}]
+    got = _plans_at_ouro_shapes(monkeypatch, ctx, batch, capacity, vprec, 5, tunings)
     assert got == [plain, fit], got
+
+
+@pytest.mark.parametrize(
+    "ctx, batch, capacity, plain, waves",
+    [
+        (1280, 8, 1536, 8, 4),  # 4 splits + 2 tail programs x 128 row blocks: one wave of 6 x 132
+        (8192, 1, None, 62, 42),
+        (8192, 8, None, 9, 5),
+        (8192, 16, None, 5, 5),  # 2 waves of 50 pages cost less than one of 124 (the one-wave count, 9% slower)
+        (8192, 64, None, 1, 1),  # the row blocks alone fill the device: one split
+    ],
+)  # fmt: skip
+def test_vprec_waves_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, capacity, plain, waves):
+    """`vprec_waves` 6 (V precision's one-token decode, v5's score and value passes; 132 SMs): the split counts that
+    ran fastest in session 34's H100 sweep at each shape (`programs_per_sm` 6 with `row1_one_wave` at all but 8K x
+    16, where the plain count was), the plain rule's without it."""
+    tunings = [{}, {"vprec_waves": 6}]
+    got = _plans_at_ouro_shapes(monkeypatch, ctx, batch, capacity, True, 1, tunings)
+    assert [ns for ns, _ in got] == [plain, waves], got
+
+
+def test_vprec_waves_is_opt_in(monkeypatch):
+    """`vprec_waves` (default 0, off): V precision's one-row decode takes its split count from the cost model
+    `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` at that many value-pass programs per SM (the interpreter
+    counts 4 SMs); the result, lse and cold counts are the reference's either way, and it leaves INT4 and a split
+    count asked for alone."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    assert ROW1_TUNING["vprec_waves"] == 0
+    seen = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["SCORES"], grid[0], kw["NS"]))
+    case = Case(hist=256, Q=1, Hq=2, Hkv=2, D=64, Wn=100, lean=0.3)
+    tune = {"programs_per_sm": 2, "tail_min": 32}
+    got = []
+    for per_sm in (0, 2, 1):
+        seen.clear()
+        _check(case, torch.float32, tuning={**tune, "vprec_waves": per_sm})
+        got.append(seen[-1])  # the value pass (the score pass comes before it)
+    # 4 splits of 2 pages + 4 tail programs over 2 row blocks: 2 waves of 2 x 4 slots, cost 2 * (2 + 4); 2 splits of 4
+    # + 2 tail programs: one wave, cost 4 + 4. At 1 per SM one split of 8 pages (cost 8 + 4; then v4's loop, no
+    # score pass) beats 2 (two waves, 2 * 8)
+    assert got == [(True, 8, 4), (True, 4, 2), (False, 2, 1)], got
+    for c in (dataclasses.replace(case, vprec=False), dataclasses.replace(case, splits=4)):
+        plans = []
+        for per_sm in (0, 2):
+            seen.clear()
+            _check(c, torch.float32, tuning={**tune, "vprec_waves": per_sm})
+            plans.append(seen[-1])
+        assert plans[0] == plans[1], (c, plans)
+    for bad in (True, -1, "6"):
+        with pytest.raises(ValueError, match=r"tuning\['vprec_waves'\]"):
+            _run_kernel(_build(case, torch.float32), tuning={"vprec_waves": bad})
 
 
 LOOKBACK_CASES = [

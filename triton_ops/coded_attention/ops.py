@@ -33,12 +33,16 @@ __all__ = ["coded_attention"]
 
 _LOG2E = 1.4426950408889634
 
+SPLIT_COST_PAGES = 4
+"""`ROW1_TUNING["vprec_waves"]`'s fixed cost of a history split, in pages (the query, the seed from the sink and the
+earlier splits' page maxima, the partial and its merge): fitted to session 34's H100 sweep of V precision's decode."""
+
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
     "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True, "mma_one_wave": True,
-    "row1_one_wave": False,
+    "row1_one_wave": False, "vprec_waves": 0,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -131,7 +135,11 @@ loops (decode without GQA; not v7's per-row programs) at `programs_per_sm` per S
 one-warp decode programs at 1.58 waves and v5's value pass at 2.10 at 1,280 x 8 (the SM runs 8 and 6 of them).
 Timed in session 34 (H100, `coded_attention_h100_s34_q1_row1_one_wave_ab.json`): mixed by shape (INT4 -11% at
 1,280 x 8 and 8K x 8, +4% at 8K x 16; V precision at 6 per SM -13% / -21% / -13% at 1,280 x 8, 8K x 1, 8K x 8, +9%
-at 8K x 16), so it stays off. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
+at 8K x 16), so it stays off. `vprec_waves` (session 34, default 0: off) picks V precision's one-row decode
+split count (v5's score and value passes) from a cost model instead, `ceil(waves) * (pages per split +
+SPLIT_COST_PAGES)` with the value pass at that many programs per SM (6: 168 registers at 2 warps), over 1 .. the
+plain count: on the H100's timed shapes it picks the fastest count at each (1,280 x 8: 4, 8K x 1: 42, 8K x 8: 5,
+8K x 16: 5, the plain one, where the one-wave count at 6 was 9% slower), not yet timed in the model. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
 bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
@@ -362,13 +370,17 @@ def _coded_attention_fwd(
     # the split count below: v9's by default; the one-row loops' (not v7's per-row programs) only if asked
     one_wave = bool(tune["mma_one_wave"]) if mma else bool(tune["row1_one_wave"]) and row1 and not rowx
     one_wave = one_wave and num_splits is None and ns > 1
+    per_vp = tune["vprec_waves"]
+    if isinstance(per_vp, bool) or not isinstance(per_vp, int) or per_vp < 0:
+        raise ValueError(f"`tuning['vprec_waves']` must be a non-negative int (0: off), got {per_vp!r}")
+    vp_waves = bool(per_vp) and vpipe and vmode == "scores" and num_splits is None and ns > 1 and not one_wave
 
     def tail_plan(n_hist: int, pps: int, read_prefix: bool) -> tuple[int, bool, int]:
         """(window slots per tail program, whether the kernel sizes them from the live pages, tail programs) for
         `n_hist` history programs per row block of `pps` pages each (the rule in the comment below)."""
         grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
         dev_sized = static and tail_opt is None and grid_dev <= 2 * per_sm * sms
-        dev_sized = dev_sized and not (mma and read_prefix) and not one_wave
+        dev_sized = dev_sized and not (mma and read_prefix) and not one_wave and not vp_waves
         chunk = tail_opt
         if chunk is None:
             chunk = tail_min if dev_sized else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
@@ -388,6 +400,19 @@ def _coded_attention_fwd(
             if (ns_c + tail_plan(ns_c, pps_c, use_vprec and ns_c > 1)[2]) * base <= slots:
                 ns, pps = ns_c, pps_c
                 break
+    if vp_waves:
+        # v5 (session 34, opt-in): the split count of V precision's one-row score and value passes from a cost
+        # model, `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` with the value pass's programs at `per_vp` per SM
+        # (168 registers at 2 warps: 6 on an H100 or H200), the smallest cost over 1 .. the plain count (ties: more
+        # splits). It reproduces the fastest of the counts timed on the H100 at 1,280 x 8 and 8K x 1 / 8 / 16 / 64
+        # (`benchmarks/notes_coded_attention.md`, session 34); not yet measured in the model, hence off. A static
+        # view's tail is sized on the host then, as with the one-wave rules
+        def cost(cand: int) -> tuple[int, int, int, int]:
+            ns_c, pps_c = share(cand)
+            waves = -(-(ns_c + tail_plan(ns_c, pps_c, ns_c > 1)[2]) * base // (per_vp * sms))
+            return waves * (pps_c + SPLIT_COST_PAGES), -ns_c, ns_c, pps_c
+
+        ns, pps = min(cost(c) for c in range(ns, 0, -1))[2:]
     num_warps = tune["num_warps"]
     # v6: short splits (<= 16 pages: batch 1-4 at 8K, batch 1 at 32K) run in half-page steps at one warp per program,
     # twice the programs per SM at the same registers (H200, INT4, 8K x 1: 22.2 us against 30.7, 32K x 1: 51.7 against
