@@ -33,17 +33,32 @@ from benchmarks.common import write_rows
 HEADS, HEAD_DIM, SINK, WINDOW, PAGE, GROUP = 16, 128, 32, 256, 32, 32
 
 
+def _tuned(tune):
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    return {**ROW1_TUNING, **(tune or {})}
+
+
+def _mma(tune, queries):
+    """Whether the launcher reads `queries` new tokens per row on v8 / v9's tensor-core loop under `tune` (merged)."""
+    return bool(tune["mma"]) or 0 < tune["mma_rows_min"] <= queries
+
+
+def vprec_reads_cold_lo(tune, queries=1):
+    """Whether V precision reads the `lo` plane of cold tokens too: v9 with `mma_lo_ahead` loads every token's `lo`
+    words with the `hi` ones (the byte count then keeps them)."""
+    tune = _tuned(tune)
+    return bool(tune["mma_lo_ahead"]) and _mma(tune, queries)
+
+
 def vprec_pass_bytes(b, n_hist, tune, sms=132, queries=1):
     """Bytes per batch row V precision reads besides the codes: v4 / `pipe` split below one row block per SM and
     then read the key codes (and scales, zeros) twice; `scores` splits below `vprec_fill` row blocks per SM and
     writes and reads one fp32 score per token and head instead (`ops.VPREC_MODES`); the optimistic pass
     (`vprec_optimistic`: v9's blocks of `queries >= mma_rows_min`, or `vprec` "v4") reads nothing more unless its
     check reruns a split."""
-    from triton_ops.coded_attention.ops import ROW1_TUNING
-
-    tune = {**ROW1_TUNING, **(tune or {})}
-    mma = bool(tune["mma"]) or 0 < tune["mma_rows_min"] <= queries
-    if tune.get("vprec_optimistic") and (mma or tune.get("vprec") == "v4"):
+    tune = _tuned(tune)
+    if tune.get("vprec_optimistic") and (_mma(tune, queries) or tune.get("vprec") == "v4"):
         return 0  # no first pass (a split the check reruns reads its codes again: not counted)
     if tune.get("vprec") == "scores":
         return n_hist * HEADS * 8 if b * HEADS < tune["vprec_fill"] * sms else 0
@@ -177,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
                         tau = margin / math.log(2.0)
                         cold = _cold_fraction(qb, k_hat, sink_k[:1], scaling, margin)
                         row.update(tau=tau, cold_fraction=cold)
-                        hist_bytes -= n_hist * cold * e / 4
+                        if not vprec_reads_cold_lo(tuning):
+                            hist_bytes -= n_hist * cold * e / 4
                         hist_bytes += vprec_pass_bytes(b, n_hist, tuning)  # a first pass over K, or scores
                     fn = lambda v=view, t=tau, qb=qb: _coded_attention_fwd(qb, v, scaling=scaling, v_precision_tau=t, tuning=tuning)  # noqa: E731
                     nbytes = b * (hist_bytes + dense_tail)

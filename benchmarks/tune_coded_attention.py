@@ -246,7 +246,7 @@ def main(argv=None):
     if not 1 <= args.queries <= QMAX:
         raise ValueError(f"`--queries` must be in [1, {QMAX}], got {args.queries}")
     nq = args.queries
-    from benchmarks.bench_coded_attention import vprec_pass_bytes
+    from benchmarks.bench_coded_attention import vprec_pass_bytes, vprec_reads_cold_lo
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     dev = args.device
@@ -310,7 +310,8 @@ def main(argv=None):
                             taus[(ctx, b)] = _tau_for_cold(d, _view(d, b, ctx, nbits, queries=nq)[0], n_hist)
                         tau, cold = taus[(ctx, b)]
                         row.update(tau=tau, cold_fraction=cold)
-                        hist_bytes -= n_hist * cold * E / 4
+                        if not vprec_reads_cold_lo(tune, nq):
+                            hist_bytes -= n_hist * cold * E / 4
                         hist_bytes += vprec_pass_bytes(b, n_hist, tune, queries=nq)
                     nbytes = b * (hist_bytes + (SINK + ctx - SINK - n_hist + nq) * 2 * E * 2)
                     q = d["q"][:b, :, :nq]

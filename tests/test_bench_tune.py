@@ -69,3 +69,15 @@ def test_plot_draws_every_timed_setting_and_refuses_an_empty_file(tmp_path, monk
     path.write_text(json.dumps(dict(device="GPU", torch="2.11", rows=rows[-1:])))
     with pytest.raises(SystemExit, match="no timed rows"):
         tune.main(["--plot", str(path)])
+
+
+def test_byte_count_keeps_cold_lo_words_where_v9_loads_them_ahead():
+    """The tools' V-precision byte count leaves cold tokens' `lo` words out unless the call reads them:
+    `mma_lo_ahead` on a block the launcher takes to v9 (`mma_rows_min` queries or more, or `mma`), not decode."""
+    from benchmarks.bench_coded_attention import vprec_reads_cold_lo
+
+    assert not vprec_reads_cold_lo(None, 5)
+    assert vprec_reads_cold_lo({"mma_lo_ahead": True}, 5)
+    assert not vprec_reads_cold_lo({"mma_lo_ahead": True}, 1)
+    assert vprec_reads_cold_lo({"mma_lo_ahead": True, "mma": True}, 1)
+    assert not vprec_reads_cold_lo({"mma_lo_ahead": True, "mma_rows_min": 0}, 5)  # 0: v8 / v9 only when asked

@@ -44,6 +44,14 @@ SETTINGS = {
         fmt=4, warps=1, vprec=True,
         extra={"ROW1": False, "WORDS": False, "MMA": True, "OPT": 2, "READ_PREFIX": True, "COUNT": True, "DH": 96},
     ),
+    # `mma_lo_ahead` (session 34): the `lo` words loaded with the `hi` ones, optimistic pass and plain value pass
+    "mma-vprec-optimistic-lo-ahead": dict(
+        fmt=4, warps=1, vprec=True,
+        extra={"ROW1": False, "WORDS": False, "MMA": True, "OPT": 1, "COUNT": True, "LO_AHEAD": True},
+    ),
+    "mma-vprec-lo-ahead-dh96": dict(
+        fmt=4, warps=1, vprec=True, extra={"ROW1": False, "WORDS": False, "MMA": True, "LO_AHEAD": True, "DH": 96}
+    ),
 }
 
 

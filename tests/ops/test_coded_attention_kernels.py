@@ -582,6 +582,30 @@ def test_mma_vprec_matches_reference(case, dtype, launches):
     assert [(x[4], x[0], x[1]) for x in launches] == [(True, False, False)] * (2 if two else 1), launches
 
 
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in MMA_VPREC_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mma_lo_ahead_matches_reference(monkeypatch, case, dtype):
+    """`mma_lo_ahead` (default off): v9's V-precision value pass loads every token's `lo` words with the `hi` ones
+    instead of after the hot set; the hot dots still weigh only hot tokens, so output, lse and cold counts are the
+    reference's (the optimistic pass's two launches and one split alike); INT4 without V precision and the page-maxima
+    pass ignore it."""
+    from triton_ops.coded_attention.ops import ROW1_TUNING
+
+    assert ROW1_TUNING["mma_lo_ahead"] is False
+    seen = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw.get("OPT", 0), kw.get("LO_AHEAD", False)))
+    _check(case, dtype, tuning={"mma": True, "mma_lo_ahead": True})
+    two = (case.splits or 1) > 1
+    assert seen == ([(1, True), (2, True)] if two else [(0, True)]), seen
+    seen.clear()
+    _check(dataclasses.replace(case, vprec=False), dtype, tuning={"mma": True, "mma_lo_ahead": True})
+    assert seen and not any(x[1] for x in seen), seen
+    seen.clear()
+    _check(case, dtype, tuning={"mma": True, "mma_lo_ahead": True, "vprec_optimistic": False})
+    assert seen == ([(0, False), (0, True)] if two else [(0, True)]), seen  # the page-maxima pass, then the values
+    with pytest.raises(ValueError, match=r"tuning\['mma_lo_ahead'\]"):
+        _run_kernel(_build(case, torch.float32), tuning={"mma": True, "mma_lo_ahead": "yes"})
+
+
 def test_mma_vprec_all_cold_reads_hi_only(launches):
     """A sink holding a key along every query (q itself: its score towers over every history score, tau 0.5): every
     history token is cold for every row, no page loads `lo` (the kernel skips the hot dots) and the output is the

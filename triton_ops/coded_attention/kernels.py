@@ -1293,7 +1293,7 @@ def _codes_history_mma(
     D: tl.constexpr, DH: tl.constexpr, PAGE: tl.constexpr, VGROUP: tl.constexpr, KV_FMT: tl.constexpr,
     BLOCK_R: tl.constexpr, USE_VALID: tl.constexpr, FAST: tl.constexpr, USE_VPREC: tl.constexpr = False,
     COUNT: tl.constexpr = False, PAGE_MAX_ONLY: tl.constexpr = False, STAGES: tl.constexpr = 1, hmin_ptr=None,
-    OPT: tl.constexpr = 0,
+    OPT: tl.constexpr = 0, LO_AHEAD: tl.constexpr = False,
 ):
     """v8 (session 15, `ROW1_TUNING["mma"]`): history pages `[p_begin, p_end)` of codes for a block of up to
     `BLOCK_R` query rows (decode: 1 row, padded; verification blocks and GQA: `G * Q <= 16`) on tensor cores, the
@@ -1318,7 +1318,10 @@ def _codes_history_mma(
     some row reads hot (skipped, dots included, for a page where no row does). `PAGE_MAX_ONLY`: the first pass of
     a split history, the page maxima of every row stored at `pmax_ptr + o_pm + page` (scores only). `OPT` 1 (V
     precision's optimistic pass, `ops._coded_attention_fwd`): the value pass stores them too, and each row's lowest
-    score read hot at `hmin_ptr + o_part`. Returns the V-precision counts `(cold, read)` per row ([BR] int32; zeros
+    score read hot at `hmin_ptr + o_part`. `LO_AHEAD` (V precision, session 34): a page's `lo` words are loaded
+    with its `hi` words, every token's, instead of after the hot set is known (only the hot tokens' then): the dots
+    are the same (`P_hot` is zero for cold tokens), the load leaves the chain of dependent loads per page, and the
+    cold tokens' `lo` bytes are read too. Returns the V-precision counts `(cold, read)` per row ([BR] int32; zeros
     unless `COUNT`)."""
     LANES: tl.constexpr = 32 // KV_FMT  # key channels per word
     DW: tl.constexpr = D // LANES
@@ -1407,6 +1410,8 @@ def _codes_history_mma(
             o_s2 = o_t[:, None] * stride_hvst + o_g[None, :]
             b_vs = tl.load(hvs_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)  # [T, NG]
             b_vz = tl.load(hvz_ptr + o_s2, mask=_cmask(m_t[:, None], m_gs, PAD), other=0.0)
+            if USE_VPREC and LO_AHEAD:  # every token's `lo` words, in flight with the `hi` ones
+                b_vla = tl.reshape(tl.load(hvl_ptr + o_v3, mask=m_v3, other=0), [PAGE, NG, VW])
             if USE_VPREC:
                 # the running maximum of each row at this page (the reference's prefix maximum seeded by the sink)
                 b_run = tl.maximum(b_run, b_mx)
@@ -1423,8 +1428,11 @@ def _codes_history_mma(
                 b_acc3 += _dot(b_p, _mma_plane_values(b_vh, magic_hi, b_vs, b_vz, 3, False, FAST), IEEE)
                 m_lo = m_t & (tl.max(m_hot.to(tl.int32), axis=0) > 0)  # [T] tokens some row reads hot
                 if tl.max(m_lo.to(tl.int32), axis=0) > 0:  # a page every row reads cold loads no `lo`
-                    b_vl = tl.reshape(tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None], m_gw, PAD), other=0),
-                                      [PAGE, NG, VW])
+                    if LO_AHEAD:
+                        b_vl = b_vla
+                    else:
+                        b_vl = tl.reshape(tl.load(hvl_ptr + o_v3, mask=_cmask(m_lo[:, None], m_gw, PAD), other=0),
+                                          [PAGE, NG, VW])
                     b_ph = tl.where(m_hot, b_pf, 0.0).to(OP)
                     b_acc0 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 0, True, FAST), IEEE)
                     b_acc1 += _dot(b_ph, _mma_plane_values(b_vl, magic_lo, b_vs, b_vz, 1, True, FAST), IEEE)
@@ -1710,6 +1718,7 @@ def _coded_attention_fwd_kernel(
     LOOKBACK: tl.constexpr = False,
     hmin_ptr=None,  # OPT: fp32 [NS, B * H_kv, G * Q], each history partial's lowest score read hot (log2 units)
     OPT: tl.constexpr = 0,
+    LO_AHEAD: tl.constexpr = False,  # v9 with V precision: `lo` words loaded with `hi` (`_codes_history_mma`)
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel before anything else
         tl.extra.cuda.gdc_wait()
@@ -1959,7 +1968,7 @@ def _coded_attention_fwd_kernel(
                     stride_hkt // 4, stride_hksp, stride_hvt // 4, stride_hvst, o_part, hist_start, p_begin, p_end,
                     qk_scale, b_runm, margin, pmax_ptr, (i_bh * (G * Q) + o_r) * n_pages,
                     D, DH, PAGE, VGROUP, KV_FMT, BLOCK_R, USE_VALID, not IEEE, USE_VPREC, COUNT, PAGE_MAX_ONLY, MMA_STAGES,
-                    hmin_ptr, OPT_PASS,
+                    hmin_ptr, OPT_PASS, LO_AHEAD,
                 )  # fmt: skip
                 if COUNT:
                     b_cnt_cold, b_cnt_all = b_cnt_mc, b_cnt_ma

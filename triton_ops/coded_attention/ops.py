@@ -42,7 +42,7 @@ ROW1_TUNING = {
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
     "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True, "mma_one_wave": True,
-    "row1_one_wave": False, "vprec_waves": 0,
+    "row1_one_wave": False, "vprec_waves": 0, "mma_lo_ahead": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -139,7 +139,11 @@ at 8K x 16), so it stays off. `vprec_waves` (session 34, default 0: off) picks V
 split count (v5's score and value passes) from a cost model instead, `ceil(waves) * (pages per split +
 SPLIT_COST_PAGES)` with the value pass at that many programs per SM (6: 168 registers at 2 warps), over 1 .. the
 plain count: on the H100's timed shapes it picks the fastest count at each (1,280 x 8: 4, 8K x 1: 42, 8K x 8: 5,
-8K x 16: 5, the plain one, where the one-wave count at 6 was 9% slower), not yet timed in the model. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
+8K x 16: 5, the plain one, where the one-wave count at 6 was 9% slower), not yet timed in the model.
+`mma_lo_ahead` (session 34, default False): v9's V-precision value pass loads every token's `lo` words with its `hi`
+words instead of after the page's hot set is known (`kernels._codes_history_mma`): the same dots and results, one
+dependent global load less per page on a latency-bound program's path, at the price of reading the cold tokens'
+`lo` bytes (what plain INT4 reads). Not timed yet. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
 bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
@@ -364,7 +368,7 @@ def _coded_attention_fwd(
     if tail_opt is not None and (isinstance(tail_opt, bool) or not isinstance(tail_opt, int) or tail_opt < 1):
         raise ValueError(f"`tuning['tail_chunk']` must be a positive int or None, got {tail_opt!r}")
 
-    for key in ("mma_one_wave", "row1_one_wave"):
+    for key in ("mma_one_wave", "row1_one_wave", "mma_lo_ahead"):
         if tune[key] not in (0, 1) or not isinstance(tune[key], (bool, int)):
             raise ValueError(f"`tuning['{key}']` must be a bool (or 0 / 1), got {tune[key]!r}")
     # the split count below: v9's by default; the one-row loops' (not v7's per-row programs) only if asked
@@ -554,6 +558,7 @@ def _coded_attention_fwd(
             **(_prior_args(prior) if final else {}),
             **({"lb_ptr": flags, "LOOKBACK": True} if lookback else {}),
             **({"hmin_ptr": hmin, "OPT": opt} if opt else {}),
+            **({"LO_AHEAD": True} if mma and use_vprec and tune["mma_lo_ahead"] and not page_max_only else {}),
         )
 
     if row1 or mma:
