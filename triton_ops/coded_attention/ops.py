@@ -143,8 +143,8 @@ plain count: on the H100's timed shapes it picks the fastest count at each (1,28
 `mma_lo_ahead` (session 34, default False): v9's V-precision value pass loads every token's `lo` words with its `hi`
 words instead of after the page's hot set is known (`kernels._codes_history_mma`): the same dots and results, one
 dependent global load less per page on a latency-bound program's path, at the price of reading the cold tokens'
-`lo` bytes (what plain INT4 reads). Not timed yet. H100 sweep of the split count (programs per SM 8 / 6 / 4, the fitting count in
-bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
+`lo` bytes (what plain INT4 reads). Not timed yet. H100 sweep of the split count (programs per SM 8 / 6 / 4, the
+fitting count in bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
