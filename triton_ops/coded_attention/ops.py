@@ -144,8 +144,9 @@ plain count: on the H100's timed shapes it picks the fastest count at each (1,28
 words instead of after the page's hot set is known (`kernels._codes_history_mma`): the same dots and results, one
 dependent global load less per page on a latency-bound program's path, at the price of reading the cold tokens'
 `lo` bytes (what plain INT4 reads). Not timed yet. H100 sweep of the split count (programs per SM 8 / 6 / 4, the
-fitting count in bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**; at 8K x 8, INT4
-241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2 (`benchmarks/results/coded_attention_h100_s33_*`)."""
+fitting count in bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**;
+at 8K x 8, INT4 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2
+(`benchmarks/results/coded_attention_h100_s33_*`)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
 """V precision on the word path: `v4`: the `lo` plane of a step is loaded after that step's scores (its latency
@@ -406,8 +407,8 @@ def _coded_attention_fwd(
                 break
     if vp_waves:
         # v5 (session 34, opt-in): the split count of V precision's one-row score and value passes from a cost
-        # model, `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` with the value pass's programs at `per_vp` per SM
-        # (168 registers at 2 warps: 6 on an H100 or H200), the smallest cost over 1 .. the plain count (ties: more
+        # model, `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` with the value pass's programs at `per_vp`
+        # per SM (168 registers at 2 warps: 6 on an H100 or H200), the smallest cost over 1 .. the plain count (ties: more
         # splits). It reproduces the fastest of the counts timed on the H100 at 1,280 x 8 and 8K x 1 / 8 / 16 / 64
         # (`benchmarks/notes_coded_attention.md`, session 34); not yet measured in the model, hence off. A static
         # view's tail is sized on the host then, as with the one-wave rules
