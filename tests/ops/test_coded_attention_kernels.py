@@ -592,7 +592,9 @@ def test_mma_lo_ahead_matches_reference(monkeypatch, case, dtype):
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
     assert ROW1_TUNING["mma_lo_ahead"] is False
-    seen = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw.get("OPT", 0), kw.get("LO_AHEAD", False)))
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw.get("OPT", 0), kw.get("LO_AHEAD", False))
+    )
     _check(case, dtype, tuning={"mma": True, "mma_lo_ahead": True})
     two = (case.splits or 1) > 1
     assert seen == ([(1, True), (2, True)] if two else [(0, True)]), seen
@@ -779,7 +781,9 @@ def test_vprec_waves_is_opt_in(monkeypatch):
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
     assert ROW1_TUNING["vprec_waves"] == 0
-    seen = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["SCORES"], grid[0], kw["NS"]))
+    seen = record_launches(
+        monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["SCORES"], grid[0], kw["NS"])
+    )
     case = Case(hist=256, Q=1, Hq=2, Hkv=2, D=64, Wn=100, lean=0.3)
     tune = {"programs_per_sm": 2, "tail_min": 32}
     got = []

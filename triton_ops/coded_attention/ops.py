@@ -408,8 +408,8 @@ def _coded_attention_fwd(
     if vp_waves:
         # v5 (session 34, opt-in): the split count of V precision's one-row score and value passes from a cost
         # model, `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` with the value pass's programs at `per_vp`
-        # per SM (168 registers at 2 warps: 6 on an H100 or H200), the smallest cost over 1 .. the plain count (ties: more
-        # splits). It reproduces the fastest of the counts timed on the H100 at 1,280 x 8 and 8K x 1 / 8 / 16 / 64
+        # per SM (168 registers at 2 warps: 6 on an H100 or H200), the smallest cost over 1 .. the plain count
+        # (ties: more splits). It reproduces the fastest of the counts timed on the H100 at 1,280 x 8 and 8K x 1 / 8 / 16 / 64
         # (`benchmarks/notes_coded_attention.md`, session 34); not yet measured in the model, hence off. A static
         # view's tail is sized on the host then, as with the one-wave rules
         def cost(cand: int) -> tuple[int, int, int, int]:
