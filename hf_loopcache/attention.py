@@ -275,10 +275,23 @@ class VPrecision:
     A history token is *cold* for a query row when its score is below the running maximum minus `tau * ln 2`; the
     running maximum is seeded with the largest sink score and updated page by page in position order. Cold tokens
     read only the high 2-bit plane of their INT4 value code and decode to the bucket midpoint.
+
+    `blocks` (default True): the rule also applies to forwards of more than one new token (verification blocks of
+    self-speculative decoding, teacher-forced replay in blocks), per query row, so a block reads what token-by-token
+    decoding reads. False: such forwards read both planes of every history token (plain INT4; V precision stays on
+    one-token forwards: decoding and drafts). A token read hot that the rule would leave cold costs bytes, never
+    precision (LoopKV Sec. 3.3), so every row of a block then reads at least its own hot set at full precision, and
+    on the GPU the block runs the plain INT4 kernel, which is faster than V precision's (README, "Self-speculative
+    decoding").
     """
 
     tau: float = 14.0
     page_size: int = 32  # pages of the running maximum in `segmented_attention`; the cache uses its code pages
+    blocks: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, bool):
+            raise TypeError(f"`VPrecision.blocks` must be a bool (True or False), got {self.blocks!r}")
 
     @property
     def margin(self) -> float:

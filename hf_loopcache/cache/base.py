@@ -249,6 +249,7 @@ class LoopCache(Cache):
                     scaling=inputs.scaling,
                     draft_loops=self._draft_loops,
                     v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
+                    v_precision_blocks=self.v_precision is None or self.v_precision.blocks,
                     v_precision_stats=self._v_precision_stats,
                     home=None if where == home else states[str(home)],
                     positions=to(inputs.positions, where),

@@ -8,9 +8,9 @@ benchmarks, examples).
 | `full`               | `FullLoopCache`: every loop's K/V at full precision                    | num_loops                         |
 | `ripe`               | `RIPECache(window=64)`: deepest plane + the last `window` at full depth | window, sink, num_loops, max_rollback |
 | `deepest`            | `DeepestPlaneCache`: the deepest plane only (RIPE with window 0)       | num_loops, max_rollback           |
-| `loopkv:<preset>`    | `LoopKVCache` with a preset of `LOOPKV_PRESETS` (`loopkv:kivi4-share`) | tau, sink, window, page_size, group_size, num_loops, max_rollback |
-| a local plan folder  | `LoopKVCache` with the folder's `loopcache_plan.json` (or that file)  | tau, max_rollback                 |
-| a Hub id `owner/name`| `LoopKVCache` with the repository's `loopcache_plan.json`            | tau, max_rollback, plan_revision  |
+| `loopkv:<preset>`    | `LoopKVCache` with a preset of `LOOPKV_PRESETS` (`loopkv:kivi4-share`) | tau, v_precision_blocks, sink, window, page_size, group_size, num_loops, max_rollback |
+| a local plan folder  | `LoopKVCache` with the folder's `loopcache_plan.json` (or that file)  | tau, v_precision_blocks, max_rollback |
+| a Hub id `owner/name`| `LoopKVCache` with the repository's `loopcache_plan.json`            | tau, v_precision_blocks, max_rollback, plan_revision |
 
 `build_cache` also takes `static`, `max_batch_size` and `max_cache_len` for every spec: `static=True` builds the cache with preallocated
 storage and device-side lengths, so a decode step can be captured (`LoopCache`; full, ripe
@@ -39,9 +39,9 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
     "full": ("num_loops",),
     "ripe": ("window", "sink", "num_loops", "max_rollback"),
     "deepest": ("num_loops", "max_rollback"),
-    "loopkv": ("tau", "sink", "window", "page_size", "group_size", "num_loops", "max_rollback"),
-    "folder": ("tau", "max_rollback"),
-    "hub": ("tau", "max_rollback", "plan_revision"),
+    "loopkv": ("tau", "v_precision_blocks", "sink", "window", "page_size", "group_size", "num_loops", "max_rollback"),
+    "folder": ("tau", "v_precision_blocks", "max_rollback"),
+    "hub": ("tau", "v_precision_blocks", "max_rollback", "plan_revision"),
 }
 CACHE_OPTIONS: tuple[str, ...] = tuple(sorted({name for names in _OPTIONS.values() for name in names}))
 """Every option name some spec takes (callers such as the lm-eval model use it to tell cache options apart)."""
@@ -100,9 +100,10 @@ def build_cache(
         static (`bool`, *optional*, defaults to False), max_batch_size (`int`), max_cache_len (`int`): build a static
             cache (preallocated storage, device-side lengths: a decode step `generate` captures; see `LoopCache`).
             Every spec takes them; plans with coded cells are refused for now. They are not among `CACHE_OPTIONS`.
-        **options: `window`, `sink`, `tau`, `page_size`, `group_size`, `num_loops`, `max_rollback`, `plan_revision`,
-            as the spec takes them (`window` defaults to 64 for `ripe` and to 256 for LoopKV presets; `tau` to 14.0,
-            None turns V precision off).
+        **options: `window`, `sink`, `tau`, `v_precision_blocks`, `page_size`, `group_size`, `num_loops`,
+            `max_rollback`, `plan_revision`, as the spec takes them (`window` defaults to 64 for `ripe` and to 256 for
+            LoopKV presets; `tau` to 14.0, None turns V precision off; `v_precision_blocks` to True, False reads both
+            planes in forwards of several tokens: `LoopKVCache`).
 
     Returns:
         `LoopCache`: a new, empty cache (one per request: caches hold one sequence batch's history).
@@ -132,6 +133,9 @@ def build_cache(
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
         raise ValueError(f"`tau` must be a number of bits or None (V precision off), got {tau!r}")
     tau = None if tau is None else float(tau)
+    blocks = options.pop("v_precision_blocks", True)
+    if not isinstance(blocks, bool):
+        raise ValueError(f"`v_precision_blocks` must be True or False, got {blocks!r}")
     static_options = dict(static=static, max_batch_size=max_batch_size, max_cache_len=max_cache_len)
     if kind == "full":
         return FullLoopCache(model, **options, **static_options)
@@ -148,4 +152,4 @@ def build_cache(
         plan = CachePlan.from_pretrained(spec)
     else:
         plan = CachePlan.from_pretrained(spec, revision=options.pop("plan_revision", None))
-    return LoopKVCache(model, plan, tau=tau, max_rollback=max_rollback, **static_options)
+    return LoopKVCache(model, plan, tau=tau, v_precision_blocks=blocks, max_rollback=max_rollback, **static_options)

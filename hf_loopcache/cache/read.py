@@ -75,6 +75,8 @@ class ReadState:
             so a shared cell keeps at full precision every position its source does not hold.
         v_precision_tau (`float`, *optional*): LoopKV's V-precision threshold for INT4 history; None reads every
             low plane.
+        v_precision_blocks (`bool`): whether reads of more than one new token apply it too (`VPrecision.blocks`);
+            False: they read every low plane. Cells take the threshold from `tau_for`.
         v_precision_stats (`VPrecisionStats`, *optional*): where cold / history read counts go.
         home (`ReadState`, *optional*): the same forward's state on the device the mask was built on, when this one
             is a copy for another device (a model split by `device_map`): `effective` is computed there once (one host
@@ -96,6 +98,7 @@ class ReadState:
     scaling: float
     draft_loops: int | None = None
     v_precision_tau: float | None = None
+    v_precision_blocks: bool = True
     v_precision_stats: VPrecisionStats | None = None
     home: ReadState | None = None
     positions: torch.Tensor | None = None
@@ -111,6 +114,10 @@ class ReadState:
             effective = self.home.effective
             return None if effective is None else effective.to(self.key_valid.device)
         return effective_positions(self.key_valid)
+
+    def tau_for(self, query_length: int) -> float | None:
+        """The V-precision threshold a read of `query_length` new tokens uses (None: both planes of every token)."""
+        return self.v_precision_tau if query_length == 1 or self.v_precision_blocks else None
 
     @property
     def complete(self) -> bool:

@@ -97,6 +97,8 @@ def test_resolution_order_names_before_folders(tmp_path, monkeypatch):
         ("loopkv:kivi4", {"tau": "high"}, r"`tau` must be a number of bits or None \(V precision off\), got .high."),
         ("ripe", {"window": -1}, r"`window` must be a non-negative int, got -1"),
         ("loopkv:kivi2", {"num_loops": 0}, r"`num_loops` must be a positive int, got 0"),
+        ("loopkv:kivi4", {"v_precision_blocks": "no"}, r"`v_precision_blocks` must be True or False, got 'no'"),
+        ("ripe", {"v_precision_blocks": False}, r"does not take option\(s\) v_precision_blocks"),
     ],
     ids=[
         "typo",
@@ -112,6 +114,8 @@ def test_resolution_order_names_before_folders(tmp_path, monkeypatch):
         "tau-string",
         "negative-window",
         "zero-loops",
+        "blocks-string",
+        "ripe-blocks",
     ],
 )
 def test_bad_specs_and_options_are_refused(spec, options, message):
@@ -124,7 +128,7 @@ def test_cache_options_lists_what_each_spec_takes(tmp_path):
     assert "window" in cache_options("ripe") and "tau" not in cache_options("ripe")
     assert "tau" in cache_options("loopkv:hand")
     CachePlan.full(OURO).save_pretrained(tmp_path)
-    assert cache_options(str(tmp_path)) == ("tau", "max_rollback")
+    assert cache_options(str(tmp_path)) == ("tau", "v_precision_blocks", "max_rollback")
     assert set(CACHE_OPTIONS) == {
         "group_size",
         "max_rollback",
@@ -133,6 +137,7 @@ def test_cache_options_lists_what_each_spec_takes(tmp_path):
         "plan_revision",
         "sink",
         "tau",
+        "v_precision_blocks",
         "window",
     }
 

@@ -245,3 +245,46 @@ def test_loopkv_cache_errors():
         LoopKVCache(other, plan)
     with pytest.raises(ValueError, match="share"):
         CachePlan(OURO_14B, {**plan.options, Cell("core", 3, 0): "share"})
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("static", [False, True], ids=["growable", "static"])
+def test_v_precision_blocks_off_reads_both_planes_in_blocks_only(arch, static):
+    """`v_precision_blocks=False`: a forward of several new tokens reads both planes of every history token (as
+    `tau=None`) and counts nothing; a one-token forward keeps V precision (as `v_precision_blocks=True`)."""
+    model = _model(arch)
+    ids = _ids(40, seed=3)
+    kw = dict(static=True, max_batch_size=1, max_cache_len=48) if static else {}
+
+    def cache(tau, blocks=True):
+        plan = _small_plan(model.loop_layout, "kivi4-share")
+        return LoopKVCache(model, plan, tau=tau, v_precision_blocks=blocks, **kw)
+
+    def run(c, chunks):
+        model(ids[:, :30], cache=c, use_cache=True, **call_kwargs(arch))  # prefill: coded pages, no coded read
+        stats = c.track_v_precision() if c.v_precision is not None else None
+        logits = [model(ids[:, a:b], cache=c, use_cache=True, **call_kwargs(arch)).logits for a, b in chunks]
+        return torch.cat(logits, dim=1), stats
+
+    block = [(30, 35)]  # five new tokens over two coded pages (sink 4, window 8, pages of 8)
+    off, off_stats = run(cache(1.0, blocks=False), block)
+    both, _ = run(cache(None), block)
+    rows, rows_stats = run(cache(1.0), block)
+    torch.testing.assert_close(off, both, atol=0, rtol=0)
+    assert (off - rows).abs().max() > 1e-4  # at tau = 1 bit V precision moves this block's logits
+    assert off_stats["history"] == 0 and rows_stats["history"] > 0 and rows_stats["cold"] > 0
+
+    step = [(30, 31), (31, 32)]  # one token at a time
+    off, off_stats = run(cache(1.0, blocks=False), step)
+    rows, rows_stats = run(cache(1.0), step)
+    both, _ = run(cache(None), step)
+    torch.testing.assert_close(off, rows, atol=0, rtol=0)
+    assert (off - both).abs().max() > 1e-4
+    assert off_stats["cold"] == rows_stats["cold"] > 0 and off_stats["history"] == rows_stats["history"]
+
+
+def test_v_precision_blocks_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"`v_precision_blocks` must be True or False, got 1"):
+        LoopKVCache(OURO_14B, "kivi4", v_precision_blocks=1)
+    with pytest.raises(TypeError, match=r"`VPrecision.blocks` must be a bool"):
+        VPrecision(tau=14.0, blocks="no")

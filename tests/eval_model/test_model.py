@@ -186,8 +186,13 @@ def test_reasoning_tasks_are_not_cut():
         ({"data_dir": "/data"}, ValueError, r"unknown model_args \['data_dir'\].*--metadata"),
         ({"num_loops": 0}, ValueError, r"`num_loops` must be a positive int, got 0"),
         ({"max_gen_toks": "many"}, ValueError, r"`max_gen_toks` must be a positive int"),
+        (
+            {"cache": "loopkv:kivi4", "v_precision_blocks": False},
+            ValueError,
+            r"`v_precision_blocks` must be True here .* got False",
+        ),
     ],
-    ids=["unknown-spec", "option-not-taken", "data-key", "zero-loops", "bad-max-gen-toks"],
+    ids=["unknown-spec", "option-not-taken", "data-key", "zero-loops", "bad-max-gen-toks", "vprec-blocks-off"],
 )
 def test_bad_model_args_are_refused(args, error, message):
     with pytest.raises(error, match=message):

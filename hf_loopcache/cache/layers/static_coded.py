@@ -285,13 +285,13 @@ class _StaticWindowed(_StaticStorage):
         )
 
     def _read(self, query, key, value, read, positions, history_end):
-        stats = read.v_precision_stats
+        stats, tau = read.v_precision_stats, read.tau_for(query.shape[2])
         out, _ = coded_attention(
             query,
             self._view(key, value, read, positions, history_end),
             scaling=read.scaling,
-            v_precision_tau=read.v_precision_tau,
-            v_precision_stats=None if stats is None or read.v_precision_tau is None else stats.tensor(query.device),
+            v_precision_tau=tau,
+            v_precision_stats=None if stats is None or tau is None else stats.tensor(query.device),
         )
         return out
 

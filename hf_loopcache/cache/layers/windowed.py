@@ -175,13 +175,13 @@ class WindowedLayer(LoopLayerBase):
         if self.length == 0:  # nothing cached: plain causal attention over the new tokens (as every cell computes it)
             out = dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
         else:
-            stats = read.v_precision_stats
+            stats, tau = read.v_precision_stats, read.tau_for(query.shape[2])
             out, _ = coded_attention(
                 query,
                 self.view(key, value, read),
                 scaling=read.scaling,
-                v_precision_tau=read.v_precision_tau,
-                v_precision_stats=None if stats is None or read.v_precision_tau is None else stats.tensor(query.device),
+                v_precision_tau=tau,
+                v_precision_stats=None if stats is None or tau is None else stats.tensor(query.device),
             )
         self._write(key, value, read)
         return out
