@@ -765,22 +765,22 @@ def test_mma_one_wave_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, 
     ],
 )  # fmt: skip
 def test_vprec_waves_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, capacity, plain, waves):
-    """`vprec_waves` 6 (V precision's one-token decode, v5's score and value passes; 132 SMs): the split counts that
-    ran fastest in session 34's H100 sweep at each shape (`programs_per_sm` 6 with `row1_one_wave` at all but 8K x
-    16, where the plain count was), the plain rule's without it."""
-    tunings = [{}, {"vprec_waves": 6}]
+    """`vprec_waves` 6, the default (V precision's one-token decode, v5's score and value passes; 132 SMs): the split
+    counts that ran fastest in session 34's H100 sweep at each shape (`programs_per_sm` 6 with `row1_one_wave` at all
+    but 8K x 16, where the plain count was), the plain rule's with 0."""
+    tunings = [{"vprec_waves": 0}, {}]
     got = _plans_at_ouro_shapes(monkeypatch, ctx, batch, capacity, True, 1, tunings)
     assert [ns for ns, _ in got] == [plain, waves], got
 
 
-def test_vprec_waves_is_opt_in(monkeypatch):
-    """`vprec_waves` (default 0, off): V precision's one-row decode takes its split count from the cost model
+def test_vprec_waves_rule(monkeypatch):
+    """`vprec_waves` (default 6; 0: off): V precision's one-row decode takes its split count from the cost model
     `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` at that many value-pass programs per SM (the interpreter
     counts 4 SMs); the result, lse and cold counts are the reference's either way, and it leaves INT4 and a split
     count asked for alone."""
     from triton_ops.coded_attention.ops import ROW1_TUNING
 
-    assert ROW1_TUNING["vprec_waves"] == 0
+    assert ROW1_TUNING["vprec_waves"] == 6
     seen = record_launches(
         monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: (kw["SCORES"], grid[0], kw["NS"])
     )

@@ -42,7 +42,7 @@ ROW1_TUNING = {
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
     "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
     "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True, "mma_one_wave": True,
-    "row1_one_wave": False, "vprec_waves": 0, "mma_lo_ahead": False,
+    "row1_one_wave": False, "vprec_waves": 6, "mma_lo_ahead": False,
 }  # fmt: skip
 """Launch settings of the one-row coded path (decode without GQA): history pages per loop step, warps per program,
 software-pipelining depth, the programs per SM the split count aims at when the batch alone does not fill the
@@ -135,15 +135,18 @@ loops (decode without GQA; not v7's per-row programs) at `programs_per_sm` per S
 one-warp decode programs at 1.58 waves and v5's value pass at 2.10 at 1,280 x 8 (the SM runs 8 and 6 of them).
 Timed in session 34 (H100, `coded_attention_h100_s34_q1_row1_one_wave_ab.json`): mixed by shape (INT4 -11% at
 1,280 x 8 and 8K x 8, +4% at 8K x 16; V precision at 6 per SM -13% / -21% / -13% at 1,280 x 8, 8K x 1, 8K x 8, +9%
-at 8K x 16), so it stays off. `vprec_waves` (session 34, default 0: off) picks V precision's one-row decode
-split count (v5's score and value passes) from a cost model instead, `ceil(waves) * (pages per split +
-SPLIT_COST_PAGES)` with the value pass at that many programs per SM (6: 168 registers at 2 warps), over 1 .. the
-plain count: on the H100's timed shapes it picks the fastest count at each (1,280 x 8: 4, 8K x 1: 42, 8K x 8: 5,
-8K x 16: 5, the plain one, where the one-wave count at 6 was 9% slower), not yet timed in the model.
+at 8K x 16), so it stays off. `vprec_waves` (session 34; default 6 since session 35, 0: off) picks V precision's
+one-row decode split count (v5's score and value passes) from a cost model instead, `ceil(waves) * (pages per split
++ SPLIT_COST_PAGES)` with the value pass at that many programs per SM (6: 168 registers at 2 warps), over 1 .. the
+plain count (`_vprec_waves_split`): on the H100's timed shapes it picks the fastest count at each (1,280 x 8: 4, 8K
+x 1: 42, 8K x 8: 5, 8K x 16: 5, the plain one, where the one-wave count at 6 was 9% slower). Timed in session 35
+(H100, `coded_attention_h100_s35_q1_vprec_waves_ab.json`): 46.1 -> 35.9 / 143.8 -> 124.3 / 234.4 -> 233.1 us at 8K
+x 1 / 8 / 16; in the model LoopKV's 2-loop drafts 0.567 -> 0.522 of a step at batch 1.
 `mma_lo_ahead` (session 34, default False): v9's V-precision value pass loads every token's `lo` words with its `hi`
 words instead of after the page's hot set is known (`kernels._codes_history_mma`): the same dots and results, one
 dependent global load less per page on a latency-bound program's path, at the price of reading the cold tokens'
-`lo` bytes (what plain INT4 reads). Not timed yet. H100 sweep of the split count (programs per SM 8 / 6 / 4, the
+`lo` bytes (what plain INT4 reads). Timed in session 35 (H100, a 5-token block at 1,280 x 8:
+87.4 us off, 88.6 on, `coded_attention_h100_s35_q5_lo_ahead_ab.json`): no gain, so it stays off. H100 sweep of the split count (programs per SM 8 / 6 / 4, the
 fitting count in bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**;
 at 8K x 8, INT4 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2
 (`benchmarks/results/coded_attention_h100_s33_*`)."""
@@ -177,6 +180,40 @@ DENSE_TUNING = {"tile": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 
 """Launch settings of the dense (fp16 / bf16) history path (a static dense cell's kernel read, RIPE's borrowed
 deepest plane): history positions per loop step (a power of two >= 16), warps per program, software-pipelining depth,
 and the programs per SM the split count aims at. `tuning={"dense": {...}}` overrides them (benchmarks)."""
+
+
+def _share(n_pages: int, ns: int, step: int) -> tuple[int, int]:
+    """(splits, pages per split) when `n_pages` pages are shared out among `ns` splits of whole `step`-page steps."""
+    pps = -(-n_pages // ns)
+    pps = -(-pps // step) * step
+    return -(-n_pages // pps), pps
+
+
+def _host_tail_chunk(pps: int, page: int, tail_min: int, tail_opt: int | None) -> int:
+    """Window slots per tail program when the host sizes them: `tuning["tail_chunk"]` if given, else half a split's
+    positions in whole `TAIL_BLOCK`s, at least `tail_min` (the rule at its call in `_coded_attention_fwd`)."""
+    if tail_opt is not None:
+        return tail_opt
+    return max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
+
+
+@functools.lru_cache(maxsize=4096)
+def _vprec_waves_split(
+    n_pages: int, ns: int, step: int, base: int, slots: int, w_len: int, page: int, tail_min: int, tail_opt: int | None
+) -> tuple[int, int]:
+    """`ROW1_TUNING["vprec_waves"]`: (splits, pages per split) of V precision's one-row decode, the smallest
+    `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` over 1 .. `ns` splits (ties: more splits), where waves count
+    the history and host-sized tail programs of `base` row blocks against `slots` value-pass programs on the device
+    (168 registers at 2 warps: 6 per SM on an H100 or H200). It reproduces the fastest of the counts timed on the H100
+    at 1,280 x 8 and 8K x 1 / 8 / 16 / 64 (`benchmarks/notes_coded_attention.md`, session 34). Cached: a decode step
+    plans the same shapes for every cell (eager callers plan on the host every call; up to `ns` candidates)."""
+    best = (0, 0, 0, 0)
+    for cand in range(ns, 0, -1):
+        ns_c, pps_c = _share(n_pages, cand, step)
+        tail = max(1, -(-w_len // _host_tail_chunk(pps_c, page, tail_min, tail_opt)))
+        key = (-(-(ns_c + tail) * base // slots) * (pps_c + SPLIT_COST_PAGES), -ns_c, ns_c, pps_c)
+        best = key if cand == ns or key < best else best
+    return best[2], best[3]
 
 
 @functools.cache
@@ -354,12 +391,7 @@ def _coded_attention_fwd(
             ns = max(1, min(-(-n_pages // step), -(-per_sm * sms // base_h)))
 
     def share(ns: int) -> tuple[int, int]:
-        """(splits, pages per split) when the pages are shared out among `ns` splits (whole steps where the launcher
-        chose the count)."""
-        pps = -(-n_pages // ns)
-        if num_splits is None:
-            pps = -(-pps // step) * step
-        return -(-n_pages // pps), pps
+        return _share(n_pages, ns, step if num_splits is None else 1)
 
     ns, pps = share(ns) if ns else (0, 0)
     tail_min = tune.get("tail_min", TAIL_MIN)
@@ -386,9 +418,7 @@ def _coded_attention_fwd(
         grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
         dev_sized = static and tail_opt is None and grid_dev <= 2 * per_sm * sms
         dev_sized = dev_sized and not (mma and read_prefix) and not one_wave and not vp_waves
-        chunk = tail_opt
-        if chunk is None:
-            chunk = tail_min if dev_sized else max(tail_min, -(-max(pps, 1) * page // (2 * TAIL_BLOCK)) * TAIL_BLOCK)
+        chunk = tail_min if dev_sized and tail_opt is None else _host_tail_chunk(pps, page, tail_min, tail_opt)
         return chunk, dev_sized, max(1, -(-w_len // chunk))
 
     if one_wave:
@@ -406,18 +436,10 @@ def _coded_attention_fwd(
                 ns, pps = ns_c, pps_c
                 break
     if vp_waves:
-        # v5 (session 34, opt-in): the split count of V precision's one-row score and value passes from a cost
-        # model, `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` with the value pass's programs at `per_vp`
-        # per SM (168 registers at 2 warps: 6 on an H100 or H200), the smallest cost over 1 .. the plain count
-        # (ties: more splits). It reproduces the fastest of the counts timed on the H100 at 1,280 x 8 and 8K x 1 / 8 / 16 / 64
-        # (`benchmarks/notes_coded_attention.md`, session 34); not yet measured in the model, hence off. A static
-        # view's tail is sized on the host then, as with the one-wave rules
-        def cost(cand: int) -> tuple[int, int, int, int]:
-            ns_c, pps_c = share(cand)
-            waves = -(-(ns_c + tail_plan(ns_c, pps_c, ns_c > 1)[2]) * base // (per_vp * sms))
-            return waves * (pps_c + SPLIT_COST_PAGES), -ns_c, ns_c, pps_c
-
-        ns, pps = min(cost(c) for c in range(ns, 0, -1))[2:]
+        # v5 (session 34; default since session 35): the split count of V precision's one-row score and value
+        # passes from a cost model (`_vprec_waves_split`). A static view's tail is sized on the host then, as with the
+        # one-wave rules
+        ns, pps = _vprec_waves_split(n_pages, ns, step, base, per_vp * sms, w_len, page, tail_min, tail_opt)
     num_warps = tune["num_warps"]
     # v6: short splits (<= 16 pages: batch 1-4 at 8K, batch 1 at 32K) run in half-page steps at one warp per program,
     # twice the programs per SM at the same registers (H200, INT4, 8K x 1: 22.2 us against 30.7, 32K x 1: 51.7 against
