@@ -452,7 +452,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     ok = [r for r in rows if r.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(6.5, 5))
-    markers = {"full": "o", "ripe64": "s", "deepest": "^", "loopkv-kivi4-share": "D", "loopkv-kivi4-share-verify-int4": "P"}
+    markers = {"full": "o", "ripe64": "s", "deepest": "^", "loopkv-kivi4-share": "D"}
+    markers["loopkv-kivi4-share-verify-int4"] = "P"
     colors = {1: "tab:blue", 8: "tab:orange"}
     top = max([1.0] + [max(r["speedup"], r["predicted_speedup_eq8"]) for r in ok]) * 1.1
     ax.plot([0, top], [0, top], color="grey", lw=0.8, label="measured = Eq. (8)")

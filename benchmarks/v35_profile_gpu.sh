@@ -2,7 +2,8 @@
 # session 35, second call: per-kernel GPU time of a 5-token verification against a decode step (benchmarks.profile_verify)
 # over LoopKV kivi4-share with blocks at both planes, the full cache and V precision in blocks, batch 8; then
 # self-speculation over the full cache at batch 8 beside the blocks-at-both-planes row (same machine).
-# Run from the repository root on the GPU machine with $OUT set; writes $OUT/s35b/{log.txt,all.json}.
+# Not run yet: the device did not start again in session 35 (six tries). Run from the repository root on the GPU
+# machine with $OUT set; writes $OUT/s35b/{log.txt,all.json}.
 set -u
 . benchmarks/gpu_calls.sh
 start s35b ${BUDGET:-400}

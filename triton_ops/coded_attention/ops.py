@@ -145,10 +145,10 @@ x 1 / 8 / 16; in the model LoopKV's 2-loop drafts 0.567 -> 0.522 of a step at ba
 `mma_lo_ahead` (session 34, default False): v9's V-precision value pass loads every token's `lo` words with its `hi`
 words instead of after the page's hot set is known (`kernels._codes_history_mma`): the same dots and results, one
 dependent global load less per page on a latency-bound program's path, at the price of reading the cold tokens'
-`lo` bytes (what plain INT4 reads). Timed in session 35 (H100, a 5-token block at 1,280 x 8:
-87.4 us off, 88.6 on, `coded_attention_h100_s35_q5_lo_ahead_ab.json`): no gain, so it stays off. H100 sweep of the split count (programs per SM 8 / 6 / 4, the
-fitting count in bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision 96.7 / 89.2 / **87.0**;
-at 8K x 8, INT4 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2
+`lo` bytes (what plain INT4 reads). Timed in session 35 (H100, a 5-token block at 1,280 x 8: 87.4 us off, 88.6 on,
+`coded_attention_h100_s35_q5_lo_ahead_ab.json`): no gain, so it stays off. H100 sweep of the split count (programs
+per SM 8 / 6 / 4, the fitting count in bold): 5 tokens at 1,280 x 8, INT4 54.6 / 59.7 / **46.1** us, V precision
+96.7 / 89.2 / **87.0**; at 8K x 8, INT4 241.6 / **168.1** / 207.4, V precision 380.9 / **267.1** / 325.2
 (`benchmarks/results/coded_attention_h100_s33_*`)."""
 
 VPREC_MODES = ("v4", "pipe", "scores")
