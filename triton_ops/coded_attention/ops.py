@@ -207,13 +207,14 @@ def _vprec_waves_split(
     (168 registers at 2 warps: 6 per SM on an H100 or H200). It reproduces the fastest of the counts timed on the H100
     at 1,280 x 8 and 8K x 1 / 8 / 16 / 64 (`benchmarks/notes_coded_attention.md`, session 34). Cached: a decode step
     plans the same shapes for every cell (eager callers plan on the host every call; up to `ns` candidates)."""
-    best = (0, 0, 0, 0)
-    for cand in range(ns, 0, -1):
+
+    def cost(cand: int) -> tuple[int, int, int, int]:
         ns_c, pps_c = _share(n_pages, cand, step)
         tail = max(1, -(-w_len // _host_tail_chunk(pps_c, page, tail_min, tail_opt)))
-        key = (-(-(ns_c + tail) * base // slots) * (pps_c + SPLIT_COST_PAGES), -ns_c, ns_c, pps_c)
-        best = key if cand == ns or key < best else best
-    return best[2], best[3]
+        return -(-(ns_c + tail) * base // slots) * (pps_c + SPLIT_COST_PAGES), -ns_c, ns_c, pps_c
+
+    _, _, ns_best, pps_best = min(cost(cand) for cand in range(ns, 0, -1))
+    return ns_best, pps_best
 
 
 @functools.cache
