@@ -773,6 +773,16 @@ def test_vprec_waves_split_counts_at_the_swept_shapes(monkeypatch, ctx, batch, c
     assert [ns for ns, _ in got] == [plain, waves], got
 
 
+def test_vprec_waves_ties_take_more_splits():
+    """Equal costs go to the larger split count: 4 pages over 4 row blocks and 3 slots, one window slot; 2 splits of 2
+    pages (3 programs per row block, 4 waves, cost 4 * (2 + 4)) tie with 1 split of 4 (2 programs, 3 waves, 3 * 8)."""
+    from triton_ops.coded_attention.ops import SPLIT_COST_PAGES, _vprec_waves_split
+
+    assert SPLIT_COST_PAGES == 4
+    assert _vprec_waves_split(4, 2, 1, 4, 3, 1, 32, 64, None) == (2, 2)
+    assert _vprec_waves_split(4, 2, 1, 4, 2, 1, 32, 64, None) == (1, 4)  # 6 waves * 6 against 4 * 8: one split
+
+
 def test_vprec_waves_rule(monkeypatch):
     """`vprec_waves` (default 6; 0: off): V precision's one-row decode takes its split count from the cost model
     `ceil(waves) * (pages per split + SPLIT_COST_PAGES)` at that many value-pass programs per SM (the interpreter
