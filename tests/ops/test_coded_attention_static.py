@@ -142,6 +142,12 @@ def test_device_lengths_view_errors():
     with pytest.raises(ValueError, match="sink"):
         CellView(new_key=k, new_value=k, length=torch.tensor(3), history_end=torch.zeros(1, 1, dtype=torch.long),
                  history_start=2)  # fmt: skip
+    for reach in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="window_reach"):
+            CellView(new_key=k, new_value=k, length=torch.tensor(3), history_end=torch.zeros(1, 1, dtype=torch.long),
+                     window_reach=reach)  # fmt: skip
+    with pytest.raises(ValueError, match="window_reach.*device-side"):
+        CellView(new_key=k, new_value=k, length=3, history_end=torch.zeros(1, 1, dtype=torch.long), window_reach=4)
 
 
 VERIFY_CASES = [
@@ -299,6 +305,38 @@ def test_static_tail_chunks_follow_the_live_pages(case, splits, launches):
     rowx, *_ = launches[-1]  # v7: a history program per (split, row)
     n_hist = splits * (case.Hq // case.Hkv * case.Q if rowx else 1)
     assert ring >= 75 and launches[-1][3] == n_hist + -(-ring // 8), (ring, launches)
+
+
+@needs_kernel
+@pytest.mark.parametrize("reach", [1, 8, 20])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(Case(B=1, Hq=2, Hkv=2, D=64, S=4, hist=100, Wn=70, Q=1, fmt=4, vprec=True, lean=0.0), id="row1-vprec"),
+        pytest.param(Case(B=2, Hq=2, Hkv=1, D=64, S=4, hist=100, Wn=70, Q=2, fmt=2, vprec=False, pad=True, lean=0.0), id="rows"),
+        pytest.param(VERIFY_CASES[0], id="verify"),
+    ],
+)
+def test_static_ring_longer_than_its_reach(case, reach, launches):
+    """A view's `window_reach` (a self-speculative cell's: what a read without holes takes from its ring) plans the
+    tail programs (`ceil(reach / tail_min)` of them, here with `tail_min` 8), and a row whose stretch is longer (up
+    to 70 positions here: holes) is still read whole: each tail program strides over the ring's chunks by the
+    program count. Outputs, log-sum-exp and counts as the reference's (red when a program reads one chunk only, or
+    strides by a chunk: every position read by every program)."""
+    from triton_ops.coded_attention.ops import _coded_attention_fwd
+
+    data = _build(case, torch.float32)
+    tau = data["tau"] if case.vprec else None
+    stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    view = dataclasses.replace(_static_view(data, torch.float32, DEVICE), window_reach=reach)
+    out, lse = _coded_attention_fwd(
+        data["q"].to(DEVICE), view, scaling=data["scaling"], v_precision_tau=tau, v_precision_stats=stats,
+        num_splits=2, tuning={"tail_min": 8, "mma_rows_min": 0, "rows_max": 16 if case.spread else 0},
+    )  # fmt: skip
+    _assert_matches(data, out, lse, stats)
+    rowx, *_ = launches[-1]
+    n_hist = 2 * (case.Hq // case.Hkv * case.Q if rowx else 1)
+    assert launches[-1][3] == n_hist + -(-reach // 8), launches
 
 
 PRIOR_CASES = [  # sinks that do not outweigh the history (lean 0.3), so that the prior's weight shows

@@ -1569,15 +1569,24 @@ def _attend_dense(
     """Online softmax over slots `[t_lo, min(t_hi, length))` of a dense segment of `length` positions `pos0 ..`; row
     r sees `b_lo[r] <= pos < b_hi[r]` (and, with padding, valid positions or its own). `MAX_ONLY`: only the running
     max `b_m` (V-precision seed). `RING`: the segment is a ring of `length` slots holding the positions below `pos0`
-    (slot `c` holds `pos0 - 1 - ((pos0 - 1 - c) mod length)`; slots of negative positions are not read)."""
+    (position `p` in slot `p mod length`), read from the oldest position a row of the block sees, `first =
+    max(min_r b_lo[r], pos0 - length, 0)`: `t_lo, t_hi` count positions from `first` (a program past
+    `pos0 - first` reads nothing). A self-speculative cell's ring is sized for holes after every real token (up to
+    `R + 1` storage positions each, `coded_ring_capacity`), several times the positions a row reads in practice;
+    slots older than every row's boundary are never loaded."""
     o_d = tl.arange(0, D)
-    t_end = tl.minimum(t_hi, length)
+    if RING:
+        first = tl.maximum(tl.min(tl.where(m_row, b_lo, pos0), axis=0), tl.maximum(pos0 - length, 0))
+        t_lo = first + t_lo
+        t_end = tl.minimum(first + t_hi, pos0)
+    else:
+        t_end = tl.minimum(t_hi, length)
     for t0 in range(t_lo, t_end, BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
         m_t = o_t < t_end
         if RING:
-            o_pos = pos0 - 1 - ((pos0 - 1 - o_t + length) % length)
-            m_t = m_t & (o_pos >= 0)
+            o_pos = o_t
+            o_t = o_pos % length
         else:
             o_pos = pos0 + o_t
         b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + o_d[None, :], mask=_dmask(m_t[:, None], o_d, DH, D), other=0.0)
@@ -1597,7 +1606,9 @@ def _attend_dense(
 
 
 @triton.jit(
-    do_not_specialize=["S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q", "tail_chunk", "tail_min"]
+    do_not_specialize=[
+        "S", "W", "w_start", "n_start", "n_pages", "pages_per_split", "NS", "Q", "tail_chunk", "tail_min", "tail_programs"
+    ]
 )
 def _coded_attention_fwd_kernel(
     q_ptr,
@@ -1674,6 +1685,7 @@ def _coded_attention_fwd_kernel(
     NS,
     tail_chunk,  # window slots per tail program (programs NS .. NS + NT - 1; TAIL_DEV: sized here)
     tail_min,  # TAIL_DEV: the fewest window slots a tail program reads
+    tail_programs,  # DEV_LEN: the tail programs (NT); program j reads ring chunks j, j + NT, ...
     qk_scale,
     margin,
     D: tl.constexpr,
@@ -1787,12 +1799,23 @@ def _coded_attention_fwd_kernel(
                 b_zero + tl.minimum(S, n_start), b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T,
                 USE_VALID, IEEE, False,
              DH=DH,)  # fmt: skip
-        b_m, b_l, b_acc = _attend_dense(
-            b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
-            wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_lo, w_lo + chunk,
-            n_start if DEV_LEN else w_start, b_bound, b_zero + (n_start if DEV_LEN else w_start + W), b_own, m_row,
-            p_valid, stride_validt, qk_scale, D, BLOCK_T, USE_VALID, IEEE, False, DEV_LEN,
-         DH=DH,)  # fmt: skip
+        if DEV_LEN:
+            # a ring: chunks count positions from the oldest one a row reads (`_attend_dense`); the launcher plans
+            # the tail programs for the view's `window_reach`, so they stride over a longer stretch (holes)
+            for c0 in range(w_lo, W, tail_programs * chunk):
+                b_m, b_l, b_acc = _attend_dense(
+                    b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
+                    wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, c0, c0 + chunk,
+                    n_start, b_bound, b_zero + n_start, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T,
+                    USE_VALID, IEEE, False, True,
+                 DH=DH,)  # fmt: skip
+        else:
+            b_m, b_l, b_acc = _attend_dense(
+                b_q, b_m, b_l, b_acc, wk_ptr + i_b * stride_wkb + i_hk * stride_wkh,
+                wv_ptr + i_b * stride_wvb + i_hk * stride_wvh, stride_wkt, stride_wvt, W, w_lo, w_lo + chunk,
+                w_start, b_bound, b_zero + w_start + W, b_own, m_row, p_valid, stride_validt, qk_scale, D, BLOCK_T,
+                USE_VALID, IEEE, False,
+             DH=DH,)  # fmt: skip
         if j == 0:
             b_m, b_l, b_acc = _attend_dense(
                 b_q, b_m, b_l, b_acc, nk_ptr + i_b * stride_nkb + i_hk * stride_nkh,

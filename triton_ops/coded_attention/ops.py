@@ -280,6 +280,9 @@ def _coded_attention_fwd(
     s_len = view.sink_length
     sk, sv = (view.sink_key, view.sink_value) if s_len else (dummy, dummy)
     w_len = view.ring_capacity if static else view.length - view.window_start
+    # the window positions the tail programs are planned for: a ring's reach where the view gives one (they loop
+    # over the rest of the ring where a row's stretch is longer, `kernels._coded_attention_fwd_kernel`)
+    w_plan = min(w_len, view.window_reach) if static and view.window_reach is not None else w_len
     wk, wv = (view.window_key, view.window_value) if w_len else (dummy, dummy)
     hk_, hv_ = view.history_key, view.history_value
     fmt = view.history_nbits or 0
@@ -416,11 +419,11 @@ def _coded_attention_fwd(
     def tail_plan(n_hist: int, pps: int, read_prefix: bool) -> tuple[int, bool, int]:
         """(window slots per tail program, whether the kernel sizes them from the live pages, tail programs) for
         `n_hist` history programs per row block of `pps` pages each (the rule in the comment below)."""
-        grid_dev = (n_hist + -(-w_len // tail_min)) * b * hkv * n_rblocks
+        grid_dev = (n_hist + -(-w_plan // tail_min)) * b * hkv * n_rblocks
         dev_sized = static and tail_opt is None and grid_dev <= 2 * per_sm * sms
         dev_sized = dev_sized and not (mma and read_prefix) and not one_wave and not vp_waves
         chunk = tail_min if dev_sized and tail_opt is None else _host_tail_chunk(pps, page, tail_min, tail_opt)
-        return chunk, dev_sized, max(1, -(-w_len // chunk))
+        return chunk, dev_sized, max(1, -(-w_plan // chunk))
 
     if one_wave:
         # v9 (session 33): one wave. A program holds 255 registers, so `mma_programs_per_sm` (8) is also what an SM
@@ -440,7 +443,7 @@ def _coded_attention_fwd(
         # v5 (session 34; default since session 35): the split count of V precision's one-row score and value
         # passes from a cost model (`_vprec_waves_split`). A static view's tail is sized on the host then, as with the
         # one-wave rules
-        ns, pps = _vprec_waves_split(n_pages, ns, step, base, per_vp * sms, w_len, page, tail_min, tail_opt)
+        ns, pps = _vprec_waves_split(n_pages, ns, step, base, per_vp * sms, w_plan, page, tail_min, tail_opt)
     num_warps = tune["num_warps"]
     # v6: short splits (<= 16 pages: batch 1-4 at 8K, batch 1 at 32K) run in half-page steps at one warp per program,
     # twice the programs per SM at the same registers (H200, INT4, 8K x 1: 22.2 us against 30.7, 32K x 1: 51.7 against
@@ -474,9 +477,9 @@ def _coded_attention_fwd(
     if final_block not in (16, 32, 64, 128) or isinstance(final_block, bool):
         raise ValueError(f"`tuning['final_block']` must be 16, 32, 64 or 128, got {final_block!r}")
     # no history split and a short window: one tail program per row block, whose part is the output (`TAIL_TUNING`)
-    final = ns == 0 and w_len <= final_slots
+    final = ns == 0 and w_plan <= final_slots
     if final:
-        tail, tail_dev, nt = max(w_len, 1), False, 1
+        tail, tail_dev, nt = max(w_plan, final_block), False, 1
     bound = view.history_end
     key_valid = view.key_valid
     if final:  # the kernel writes the output: contiguous, so that a row's flat index is its partial's
@@ -549,6 +552,7 @@ def _coded_attention_fwd(
             NS=ns,
             tail_chunk=tail,
             tail_min=tail_min,
+            tail_programs=nt,
             qk_scale=scaling * _LOG2E,
             margin=(v_precision_tau or 0.0),  # tau * ln 2 in natural units is tau in log2 units
             D=dp,

@@ -100,6 +100,11 @@ class CellView:
         window_value (`torch.Tensor` of shape `[B, H_kv, length - window_start, D]`, *optional*): their values.
         key_valid (`torch.BoolTensor` of shape `[B, >= length + q]`, *optional*): True where the position holds a
             real token; None when every position is real.
+        window_reach (`int`, *optional*): with device-side lengths, the most ring positions a row reads while its
+            window holds no holes (at most a decoding cell's ring, `W + 2P` for a coded one). The launcher sizes the
+            window's programs for this stretch, not for the ring (a self-speculative cell's ring is sized for a hole
+            after every real token, several times longer), and those programs loop over the rest where holes make a
+            row's stretch longer. None: the ring's capacity.
     """
 
     new_key: Tensor
@@ -115,6 +120,7 @@ class CellView:
     window_key: Tensor | None = None
     window_value: Tensor | None = None
     key_valid: Tensor | None = None
+    window_reach: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.new_key, Tensor) or self.new_key.ndim != 4:
@@ -128,6 +134,8 @@ class CellView:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
+        if self.window_reach is not None:
+            raise ValueError("`window_reach` describes a ring window: it needs a tensor `length` (device-side lengths)")
         if self.window_start is None:
             object.__setattr__(self, "window_start", self.length)
         if not self.history_start <= self.window_start <= self.length and not (
@@ -205,6 +213,9 @@ class CellView:
             raise ValueError(f"`history_start` must be a non-negative int, got {self.history_start!r}")
         if self.window_start is not None:
             raise ValueError("with a tensor `length` the window is a ring: `window_start` must be None")
+        reach = self.window_reach
+        if reach is not None and (isinstance(reach, bool) or not isinstance(reach, int) or reach < 0):
+            raise ValueError(f"`window_reach` must be None or a non-negative int, got {reach!r}")
         pairs = (("sink", self.sink_key, self.sink_value), ("window", self.window_key, self.window_value))
         for name, k, v in pairs:
             if (k is None) != (v is None):

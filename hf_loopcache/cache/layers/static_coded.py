@@ -282,6 +282,8 @@ class _StaticWindowed(_StaticStorage):
             window_key=ring_k,
             window_value=ring_v,
             key_valid=None if valid is None else valid[:rows],
+            # what a read without holes takes from the ring: at most the ring of a cell with no rollback reserve
+            window_reach=self._capacity(0),
         )
 
     def _read(self, query, key, value, read, positions, history_end):
