@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, apply_row1_tuning, build, peak_gib, reset_peak, write_rows
+from benchmarks.common import RESULTS, apply_row1_tuning, build, environment, peak_gib, reset_peak, write_rows
 from hf_loopcache import (
     DeepestPlaneCache,
     FullLoopCache,
@@ -444,7 +444,9 @@ def _alpha(shape: str, cache_name: str, rows: list[dict[str, Any]], acceptance: 
     return acceptance[key], f"{family} from {Path(acceptance['__file__']).name}"  # type: ignore[index]
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, gpu: str | None = None) -> None:
+    """Measured speed-up against Eq. (8) per row (marker: cache, color: batch); points are labelled with their
+    shape only when the rows hold several. `gpu` goes into the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -458,6 +460,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     top = max([1.0] + [max(r["speedup"], r["predicted_speedup_eq8"]) for r in ok]) * 1.1
     ax.plot([0, top], [0, top], color="grey", lw=0.8, label="measured = Eq. (8)")
     ax.plot([0, top], [0, 0.9 * top], color="grey", lw=0.8, ls="--", label="0.9 x Eq. (8)")
+    several = len({r["shape"] for r in ok}) > 1
     for r in ok:
         ax.scatter(
             r["predicted_speedup_eq8"],
@@ -466,13 +469,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             color=colors.get(r["batch"], "tab:green"),
             s=40,
         )
-        ax.annotate(
-            r["shape"] + (f" {r['label']}" if r.get("label") else ""),
-            (r["predicted_speedup_eq8"], r["speedup"]),
-            fontsize=6,
-            xytext=(3, 2),
-            textcoords="offset points",
-        )
+        text = " ".join(t for t in (r["shape"] if several else "", r.get("label") or "") if t)
+        if text:
+            ax.annotate(
+                text, (r["predicted_speedup_eq8"], r["speedup"]), fontsize=6, xytext=(3, 2), textcoords="offset points"
+            )
     for cache, m in markers.items():
         ax.scatter([], [], marker=m, color="black", label=cache)
     for batch, col in colors.items():
@@ -482,7 +483,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.legend(fontsize=7)
-    ax.set_title("Self-speculative decoding (same decode loop both ways)", fontsize=9)
+    title = "Self-speculative decoding (same decode loop both ways)"
+    shapes = ", ".join(sorted({r["shape"] for r in ok}))
+    ax.set_title(f"{title}\n{shapes}" + (f", {gpu}" if gpu else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -702,7 +705,7 @@ def main(argv: list[str] | None = None) -> None:
     models.clear()
     print("wrote", write_rows(args.out, rows), f"({time.perf_counter() - start:.0f} s)")
     png = RESULTS / f"{args.out}.png"
-    plot(rows, png)
+    plot(rows, png, environment().get("gpu_name"))
     print("wrote", png)
     print(summary(rows))
 

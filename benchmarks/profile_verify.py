@@ -1,26 +1,35 @@
-"""Per-kernel GPU time of a verification block against a decode step: one forward of 1 new token and one of 5 (every
-loop, as self-speculative decoding verifies `gamma = 4` drafts) over a static cache after a prefill, each rolled back
-by `crop` (so every forward sees the same cache).
+"""Per-kernel GPU time of a verification block against a decode step and a draft: one forward of 1 new token (every
+loop), one of 1 token with the draft depth (`--draft-loops`), and one of `gamma + 1` = 5 new tokens (every loop, as
+self-speculative decoding verifies `gamma = 4` drafts), over a static cache after a prefill, each rolled back by
+`crop` (so every forward sees the same cache).
 
-Method: `torch.profiler` (CUDA activity) around 3 eager forwards of each size after 2 warm-up forwards of each; the
-eager static forward launches the kernels the captured graphs replay. Per cache and size: the GPU microseconds and
-launches per forward, in total and per kernel name (the 30 largest; CUDA kernels only, so a CPU run checks the
-script and records none). `benchmarks.profile_step` profiles decode steps inside `generate` (its `_kernels` does the
-counting here too); this script isolates the block a verification adds.
+Method: `torch.profiler` (CUDA activity) around 3 forwards of each kind after 2 warm-up forwards of each; by default
+eagerly (the eager static forward launches the kernels the captured graphs replay), with `--graph` through the
+model's captured-step runner (`model.get_compiled_call`, as `self_speculative_generate` calls it: kernels inside the
+graph replays, where the profiler sees them). Per cache and kind: the GPU microseconds and launches per forward, in
+total and per kernel name (the 30 largest; CUDA kernels only, so a CPU run checks the script and records none), and
+`wall_us`, the median of 10 unprofiled forwards timed from a synced GPU to a sync after the forward (host included).
+`--capacity` sets the static storage (default: the prompt + 64; `benchmarks.bench_selfspec` allocates
+`prompt + (new_tokens + 1) * (gamma + 1)`, 2,309 for 1,024 + 256), `--rollback` the cache's rollback reserve
+(default 0; self-speculation sets `gamma`, which sizes a windowed cell's ring for holes). `benchmarks.profile_step`
+profiles decode steps inside `generate` (its `_kernels` does the counting here too); this script isolates the
+forwards of a block.
 
-    python -m benchmarks.profile_verify --shape ouro-1.4b --batch 8 --prompt 1024 \\
-        --caches loopkv-kivi4-share full --out profile_verify
+    python -m benchmarks.profile_verify --shape ouro-1.4b --batch 8 --prompt 1024 --capacity 2309 --rollback 4 \\
+        --graph --caches loopkv-kivi4-share full --out profile_verify
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from typing import Any
 
 import torch
 
-from benchmarks.bench_selfspec import CACHES, make_cache
+from benchmarks.bench_selfspec import CACHES, DRAFT_LOOPS, make_cache
 from benchmarks.common import RESULTS, build, environment
 from benchmarks.profile_step import _kernels
 
@@ -37,36 +46,72 @@ def _per_forward(fn: Any, calls: int) -> dict[str, Any]:
     )
 
 
+def _wall_us(fn: Any, calls: int = 10) -> float:
+    """Median microseconds of `fn()` from a synced GPU to a sync after it (0.0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return round(1e6 * statistics.median(times), 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="ouro-1.4b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--capacity", type=int, default=None, help="static storage (default: the prompt + 64)")
+    parser.add_argument("--graph", action="store_true", help="through the captured-step runner (CUDA graphs)")
+    parser.add_argument("--draft-loops", type=int, default=None, help="the draft depth (default: bench_selfspec's)")
+    parser.add_argument("--rollback", type=int, default=0,
+                        help="the cache's rollback reserve (`set_max_rollback`; self-speculation sets gamma = 4)")
     parser.add_argument("--caches", nargs="+", default=["loopkv-kivi4-share", "full"], choices=sorted(CACHES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="profile_verify")
     args = parser.parse_args(argv)
     dev, b = args.device, args.batch
+    capacity = args.capacity or args.prompt + 64
+    if args.rollback < 0:
+        raise ValueError(f"`--rollback` must be a non-negative int, got {args.rollback}")
+    if capacity < args.prompt + 5:
+        raise ValueError(f"`--capacity` must be at least the prompt + 5 ({args.prompt + 5}), got {capacity}")
     model = build(args.shape, torch.bfloat16 if dev.startswith("cuda") else torch.float32, dev)
+    draft = args.draft_loops or DRAFT_LOOPS[args.shape]
+    call = model.get_compiled_call(None) if args.graph else model
     vocab = min(1000, model.config.vocab_size)
+    kinds = {"q1": (1, {}), f"draft{draft}": (1, model.draft_kwargs(draft)), "q5": (5, {})}
     rows: dict[str, Any] = {}
     for name in args.caches:
-        cache = make_cache(name, model, 4, "graph", b, args.prompt + 64)
+        cache = make_cache(name, model, 4, "graph", b, capacity)
+        cache.set_max_rollback(args.rollback)
         with torch.no_grad():
             model(input_ids=torch.randint(0, vocab, (b, args.prompt), device=dev), cache=cache, logits_to_keep=1)
             length = cache.get_seq_length()
 
-            def forward(q: int, cache: Any = cache, length: int = length) -> None:
-                model(input_ids=torch.randint(0, vocab, (b, q), device=dev), cache=cache)
+            def forward(q: int, extra: dict, cache: Any = cache, length: int = length) -> None:
+                ids = torch.randint(0, vocab, (b, q), device=dev)
+                call(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=q, **extra)
                 cache.crop(length)
 
-            for q in (1, 5, 1, 5):
-                forward(q)
-            for q in (1, 5):
-                rows[f"{name} q{q}"] = _per_forward(lambda q=q: forward(q), 3)
-                print(name, q, rows[f"{name} q{q}"]["total_us"], rows[f"{name} q{q}"]["launches"], flush=True)
+            for _ in range(2):
+                for q, extra in kinds.values():
+                    forward(q, extra)
+            for kind, (q, extra) in kinds.items():
+                row = rows[f"{name} {kind}"] = _per_forward(lambda q=q, extra=extra: forward(q, extra), 3)
+                row["wall_us"] = _wall_us(lambda q=q, extra=extra: forward(q, extra))
+                print(name, kind, row["total_us"], row["launches"], row["wall_us"], flush=True)
+        del cache
     path = RESULTS / f"{args.out}.json"
-    header = dict(shape=args.shape, batch=b, prompt=args.prompt, new_tokens_per_forward=[1, 5])
+    header = dict(
+        shape=args.shape, batch=b, prompt=args.prompt, capacity=capacity, graph=args.graph, draft_loops=draft,
+        rollback=args.rollback,
+        forwards={kind: dict(new_tokens=q, **extra) for kind, (q, extra) in kinds.items()},
+    )
     path.write_text(json.dumps(dict(environment=environment(), **header, rows=rows), indent=1))
     print("wrote", path)
 

@@ -180,20 +180,26 @@ class _Rows:
 
 
 class _Timer:
-    """Accumulates wall time of a phase into a `SpeculativeStats` field, syncing only when stats are requested."""
+    """Accumulates wall time of a phase into a `SpeculativeStats` field, syncing only when stats are requested. A timed
+    phase is also a `torch.profiler` range, `self_speculative::<field>` (e.g. `self_speculative::draft_time_s`):
+    between its syncs, so a profile can tell the kernels of drafts from those of verifications by their time."""
 
     def __init__(self, stats: SpeculativeStats | None, name: str, device: torch.device) -> None:
         self.stats, self.name, self.device = stats, name, device
+        self.range: Any = None
 
     def __enter__(self) -> None:
         if self.stats is not None and self.stats.phase_timing:
             _sync(self.device)
+            self.range = torch.profiler.record_function(f"self_speculative::{self.name}")
+            self.range.__enter__()
             self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
         if self.stats is not None and self.stats.phase_timing:
             _sync(self.device)
             setattr(self.stats, self.name, getattr(self.stats, self.name) + time.perf_counter() - self.t0)
+            self.range.__exit__(*exc)
 
 
 def _sync(device: torch.device) -> None:

@@ -269,3 +269,31 @@ def test_return_dict_in_generate_returns_sequences_and_the_cache():
     )
     assert torch.equal(out.sequences, ref) and getattr(out, OUTPUT_CACHE_FIELD) is cache
     assert cache.get_seq_length() >= ref.shape[1] - 1  # the last token is emitted, not cached
+
+
+@torch.no_grad()
+def test_timed_phases_are_profiler_ranges():
+    """With phase timing, the prefill, every draft phase and every verification are `torch.profiler` ranges
+    (`self_speculative::<stats field>`, which `benchmarks.profile_selfspec` splits a block's kernels by): one per
+    phase and block; without stats, or with `phase_timing=False`, none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_model("ouro")
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]])
+
+    def ranges(stats):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self_speculative_generate(model, ids, draft_loops=1, block_size=2, max_new_tokens=7,
+                                      speculative_stats=stats)  # fmt: skip
+        names = [e.name for e in prof.events() if e.name.startswith("self_speculative::")]
+        return {n: names.count(n) for n in set(names)}
+
+    stats = SpeculativeStats()
+    seen = ranges(stats)
+    assert seen == {
+        "self_speculative::prefill_time_s": 1,
+        "self_speculative::draft_time_s": stats.verifications,
+        "self_speculative::verify_time_s": stats.verifications,
+    }
+    assert stats.verifications >= 2
+    assert ranges(None) == {} and ranges(SpeculativeStats(phase_timing=False)) == {}
