@@ -1,6 +1,9 @@
 #!/bin/bash
 # session 36: where a batch-8 verification's time goes (`bash benchmarks/v36_gpu.sh N`, from the repository root on
-# the GPU machine with $OUT set; writes $OUT/<call>/{log.txt,all.json}). Call 1 (ran): benchmarks.profile_verify
+# the GPU machine with $OUT set; writes $OUT/<call>/{log.txt,all.json}). Before these, session 35's second call ran
+# (its script since removed: profile_verify eager at 1,088, `results/profile_verify_h100_s36_eager.json`; its bench
+# row did not fit its budget and ran again alone, `results/selfspec_h100_graph_s36_before_b8.json`, the full cache
+# and LoopKV with blocks at both planes at batch 8). Call 1 (ran): benchmarks.profile_verify
 # --graph, LoopKV kivi4-share with blocks at both planes against the full cache, at bench_selfspec's static capacity
 # (1,024 + 257 x 5 = 2,309) and at a tight one (1,088). Call 2 (ran twice, the second time with the phases):
 # benchmarks.profile_selfspec, the whole decode as bench_selfspec times it, batch 8 and 1. Call 3 (ran): the same at
