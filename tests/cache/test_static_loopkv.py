@@ -366,3 +366,33 @@ def test_static_loopkv_capacity_under_the_sink_fp64(arch, tau):
     expected = _generate(model, arch, ids, mask, LoopKVCache(model, plan, tau=tau), new=8)
     static = LoopKVCache(model, plan, tau=tau, static=True, max_batch_size=2, max_cache_len=16)
     _same(_generate(model, arch, ids, mask, static, new=8), expected, atol=1e-10)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["kivi4-share", "ripe"])
+def test_views_plan_the_window_without_the_rollback_reserve(monkeypatch, name):
+    """Every static windowed cell hands `coded_attention` its ring with `window_reach` = the ring of a cell without a
+    rollback reserve (`_capacity(0)`: LoopKV's coded cells `W + 2P`, shared cells `W + P`), also after
+    self-speculation's reserve has grown the ring (for holes) well past it: the launcher plans the tail programs for
+    the reach (`triton_ops.coded_attention.ops`), not for the ring."""
+    from hf_loopcache.cache.layers import static_coded
+
+    seen = []
+    real = static_coded.coded_attention
+
+    def record(query, view, **kwargs):
+        seen.append(view)
+        return real(query, view, **kwargs)
+
+    monkeypatch.setattr(static_coded, "coded_attention", record)
+    model = _model("ouro")
+    ids, mask = _prompt(1, False)
+    kw = dict(static=True, max_batch_size=1, max_cache_len=40)
+    cache = _cache(model, "kivi4-share", **kw) if name != "ripe" else RIPECache(model, window=4, **kw)
+    cache.set_max_rollback(3)
+    _generate(model, "ouro", ids, mask, cache, new=3)
+    cells = [c for c in cache.cells if isinstance(c, (StaticCodedLayer, StaticCodedSharedLayer))]
+    assert seen and cells
+    reaches = {c._capacity(0) for c in cells}
+    assert all(v.window_reach in reaches and v.window_reach < v.ring_capacity for v in seen)
+    assert {c.capacity for c in cells} != reaches  # the reserve's rings are longer

@@ -365,14 +365,17 @@ def _history_part(data, view, dtype):
     return out, lse
 
 
+@pytest.mark.parametrize("reach", [None, 2], ids=["ring", "reach"])
 @pytest.mark.parametrize("final", [True, False], ids=["one-launch", "tail-and-merge"])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id()) for c in PRIOR_CASES])
-def test_prior_merges_history_read_elsewhere(monkeypatch, case, final):
+def test_prior_merges_history_read_elsewhere(monkeypatch, case, final, reach):
     """`prior`: the history read by someone else (cuDNN over a RIPE source's plane) and the rest of the view by the op
     give, merged by log-sum-exp, what the op gives over the whole view (the reference in fp64; the kernel in fp32 on
     CUDA or under `TRITON_INTERPRET=1`, within twice the fp32 reference's error); and a row whose prior read
     nothing (lse -inf, its out NaN) takes none of it. The kernel merges the prior in its one tail program (`FINAL`,
-    the default for a ring this short) or, with `final_slots` 0, in the merge launch after the tail programs."""
+    the default for a ring this short) or, with `final_slots` 0, in the merge launch after the tail programs.
+    `reach`: a ring of 200 slots more (a self-speculative cell's, longer than `final_slots`) whose `window_reach`
+    keeps the one-launch read."""
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 
     finals = record_launches(monkeypatch, "_coded_attention_fwd_kernel", lambda grid, kw: kw["FINAL"])
@@ -394,8 +397,8 @@ def test_prior_merges_history_read_elsewhere(monkeypatch, case, final):
     torch.testing.assert_close(merged[0], alone[0], rtol=0, atol=1e-12)
     if not (torch.cuda.is_available() or INTERPRET):
         return
-    view = _static_view(data, torch.float32, device=DEVICE)
-    rest = dataclasses.replace(view, history_key=None, history_value=None)
+    view = _static_view(data, torch.float32, device=DEVICE, extra_slots=205 if reach else 5)
+    rest = dataclasses.replace(view, history_key=None, history_value=None, window_reach=reach)
     p_out, p_lse = (t.to(DEVICE) for t in _history_part(data, view, torch.float32))
     q = data["q"].to(DEVICE)
     kw = dict(scaling=data["scaling"], v_precision_tau=None, tuning=None if final else {"final_slots": 0})
