@@ -425,6 +425,20 @@ def _merge(total: SpeculativeStats, stats: SpeculativeStats) -> None:
     total.accepted_tokens += stats.accepted_tokens
 
 
+def load_acceptance(path: str | Path, block_size: int) -> dict[Any, Any]:
+    """`{(fixture, cache): acceptance}` from an acceptance file's rows at each fixture's draft depth and this block
+    size, with the file's name under `"__file__"`; empty if the file does not exist."""
+    if not Path(path).exists():
+        return {}
+    acceptance: dict[Any, Any] = {
+        (r["shape"], r["cache"]): r["acceptance_rate"]
+        for r in json.loads(Path(path).read_text())["rows"]
+        if r["draft_loops"] == DRAFT_LOOPS[r["shape"]] and r["block_size"] == block_size
+    }
+    acceptance["__file__"] = str(path)
+    return acceptance
+
+
 def _alpha(shape: str, cache_name: str, rows: list[dict[str, Any]], acceptance: dict[tuple[str, str], float]):
     """The acceptance that drives a random-weight shape: pooled over this run's rows of the same-family fixture with
     the same cache (same dtype, prompt and block size), else from the acceptance file. Returns (alpha, source)."""
@@ -628,14 +642,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.shapes = args.shapes or ["huginn-0125", "ouro-1.4b"]
     args.out = args.out or "selfspec"
-    acceptance: dict[Any, Any] = {}
-    if Path(args.acceptance_file).exists():
-        acceptance = {
-            (r["shape"], r["cache"]): r["acceptance_rate"]
-            for r in json.loads(Path(args.acceptance_file).read_text())["rows"]
-            if r["draft_loops"] == DRAFT_LOOPS[r["shape"]] and r["block_size"] == args.block_size
-        }
-        acceptance["__file__"] = args.acceptance_file
+    acceptance = load_acceptance(args.acceptance_file, args.block_size)
     start, rows = time.perf_counter(), []
     left = lambda: args.budget_s - (time.perf_counter() - start)  # noqa: E731
     models: dict[str, tuple[Any, Any, float]] = {}  # shape -> (model, tokenizer, warm-up step time in s)

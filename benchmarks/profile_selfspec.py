@@ -2,8 +2,8 @@
 GPU time per kernel name, per phase (drafts, verification), and what the host does, per block.
 
 Method: per cache, a static cache of bench_selfspec's size (`prompt + (new_tokens + 1) * (gamma + 1)`), one
-`self_speculative_generate` call that captures every step (forced acceptance at the same alpha and seed, so the same
-blocks), `reset()`, then the same call under `torch.profiler` (CPU and CUDA activity; phase timing on, so a sync and a
+`self_speculative_generate` call that captures every step (acceptance forced at the family fixture's rate with the
+same cache, as bench_selfspec drives it, or `--alpha`; the same seed, so the same blocks every call), `reset()`, then the same call under `torch.profiler` (CPU and CUDA activity; phase timing on, so a sync and a
 `self_speculative::<phase>` range surround each phase) and, unprofiled, the call again timed
 (`SpeculativeStats(phase_timing=False)`). Per block (`blocks`: the verifications of the timed call): `wall_ms`
 (unprofiled), `gpu_busy_ms` (the union of the kernels' intervals, the prefill's included; kernels that overlap count
@@ -26,14 +26,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_selfspec import CACHES, DRAFT_LOOPS, FAMILY, make_cache
+from benchmarks.bench_selfspec import CACHES, DRAFT_LOOPS, FAMILY, load_acceptance, make_cache
 from benchmarks.common import RESULTS, build, environment
 from hf_loopcache import SpeculativeStats, self_speculative_generate
-
-#: forced acceptance by the shape's family fixture when `--alpha` is not given (tiny-ouro / tiny-huginn, full cache,
-#: `benchmarks/results/selfspec_acceptance.json`)
-ALPHA = {"tiny-ouro": 0.8265, "tiny-huginn": 0.9574}
-
 
 PHASES = ("draft_time_s", "verify_time_s")
 
@@ -153,13 +148,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--alpha", type=float, default=None, help="forced acceptance (default: the family fixture's)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="forced acceptance of every cache (default: the family fixture's with the same cache, "
+                             "from --acceptance-file, as bench_selfspec drives it)")  # fmt: skip
+    parser.add_argument("--acceptance-file", default=str(RESULTS / "selfspec_acceptance.json"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="profile_selfspec")
     args = parser.parse_args(argv)
-    alpha = args.alpha if args.alpha is not None else ALPHA[FAMILY[args.shape]]
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"`--alpha` must be in [0, 1], got {alpha}")
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"`--alpha` must be in [0, 1], got {args.alpha}")
+    measured = load_acceptance(args.acceptance_file, args.block_size)
+    alphas = {}
+    for name in args.caches:
+        alphas[name] = args.alpha if args.alpha is not None else measured.get((FAMILY[args.shape], name))
+        if alphas[name] is None:
+            raise ValueError(f"no measured acceptance for ({FAMILY[args.shape]!r}, {name!r}): pass `--alpha`")
     dev = args.device
     model = build(args.shape, torch.bfloat16 if dev.startswith("cuda") else torch.float32, dev)
     gen = torch.Generator().manual_seed(0)
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         for name in args.caches:
             rows[name] = profile_cache(model, name, ids, draft=DRAFT_LOOPS[args.shape], gamma=args.block_size,
-                                       new_tokens=args.new_tokens, alpha=alpha, kwargs=kwargs)  # fmt: skip
+                                       new_tokens=args.new_tokens, alpha=alphas[name], kwargs=kwargs)  # fmt: skip
+            rows[name]["alpha"] = alphas[name]
             r = rows[name]
             print(name, "blocks", r["blocks"], "wall_ms", r["wall_ms"], "gpu_busy_ms", r["gpu_busy_ms"], flush=True)
             for phase, p in r["phases"].items():
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                 for entry in p["kernels"][:6]:
                     print("     ", *entry, flush=True)
     header = dict(shape=args.shape, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
-                  block_size=args.block_size, draft_loops=DRAFT_LOOPS[args.shape], alpha=alpha)  # fmt: skip
+                  block_size=args.block_size, draft_loops=DRAFT_LOOPS[args.shape])  # fmt: skip
     path = RESULTS / f"{args.out}.json"
     path.write_text(json.dumps(dict(environment=environment(), **header, rows=rows), indent=1))
     print("wrote", path)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from benchmarks import profile_selfspec, profile_verify
+from benchmarks import bench_selfspec, profile_selfspec, profile_verify
 
 
 def _event(name, start, end, cuda=False, self_cpu=0.0):
@@ -53,19 +53,25 @@ def test_events_give_each_kernel_the_phase_it_starts_in():
 
 
 def test_profile_selfspec_on_the_cpu(tmp_path, monkeypatch):
+    acceptance = str(profile_selfspec.RESULTS / "selfspec_acceptance.json")
     monkeypatch.setattr(profile_selfspec, "RESULTS", tmp_path)
     profile_selfspec.main(
         ["--shape", "micro-ouro", "--caches", "full", "loopkv-kivi4-share-verify-int4", "--batch", "2", "--prompt", "64",
-         "--new-tokens", "6", "--device", "cpu", "--out", "p"]
+         "--new-tokens", "6", "--device", "cpu", "--out", "p", "--acceptance-file", acceptance]
     )  # fmt: skip
     data = json.loads((tmp_path / "p.json").read_text())
-    assert data["alpha"] == profile_selfspec.ALPHA["tiny-ouro"] and data["draft_loops"] == 2
-    for row in data["rows"].values():
+    assert data["draft_loops"] == 2
+    measured = bench_selfspec.load_acceptance(acceptance, 4)
+    for name, row in data["rows"].items():
+        assert row["alpha"] == measured[("tiny-ouro", name)]  # the fixture's acceptance with the same cache
         assert row["blocks"] > 0 and row["wall_ms"] > 0
         assert {"prefill_time_s", "draft_time_s", "verify_time_s"} <= set(row["phases"])
         assert all(row["phases"][p]["wall_ms"] > 0 and row["phases"][p]["kernels"] == [] for p in row["phases"])
     with pytest.raises(ValueError, match="--alpha"):
         profile_selfspec.main(["--shape", "micro-ouro", "--alpha", "1.5", "--device", "cpu"])
+    with pytest.raises(ValueError, match="no measured acceptance.*--alpha"):
+        profile_selfspec.main(["--shape", "micro-ouro", "--block-size", "3", "--device", "cpu",
+                               "--acceptance-file", acceptance])  # fmt: skip
 
 
 def test_profile_verify_through_the_captured_step_runner_on_the_cpu(tmp_path, monkeypatch):
