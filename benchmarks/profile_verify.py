@@ -8,7 +8,8 @@ eagerly (the eager static forward launches the kernels the captured graphs repla
 model's captured-step runner (`model.get_compiled_call`, as `self_speculative_generate` calls it: kernels inside the
 graph replays, where the profiler sees them). Per cache and kind: the GPU microseconds and launches per forward, in
 total and per kernel name (the 30 largest; CUDA kernels only, so a CPU run checks the script and records none), and
-`wall_us`, the median of 10 unprofiled forwards timed from a synced GPU to a sync after the forward (host included).
+`wall_us`, the median of 10 unprofiled forwards timed from a synced GPU to a sync after the forward (the host and
+the crop back included).
 `--capacity` sets the static storage (default: the prompt + 64; `benchmarks.bench_selfspec` allocates
 `prompt + (new_tokens + 1) * (gamma + 1)`, 2,309 for 1,024 + 256), `--rollback` the cache's rollback reserve
 (default 0; self-speculation sets `gamma`, which sizes a windowed cell's ring for holes). `benchmarks.profile_step`
