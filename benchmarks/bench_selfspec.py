@@ -92,6 +92,12 @@ CACHES = {
 }
 
 
+def storage_length(prompt: int, new_tokens: int, gamma: int) -> int:
+    """Positions a static cache of a row allocates: the prompt and `gamma + 1` per block for up to `new_tokens + 1`
+    blocks (every block may leave up to `gamma` holes)."""
+    return prompt + (new_tokens + 1) * (gamma + 1)
+
+
 def make_cache(name: str, model: Any, gamma: int, mode: str, batch: int, length: int) -> Any:
     """A fresh cache of the row: growable (`eager`), or static for `batch` rows and `length` positions (`graph`)."""
     if mode == "graph":
@@ -246,7 +252,7 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
     gamma, draft, device = args.block_size, DRAFT_LOOPS[shape], args.device
     kwargs = {"init_scale": 0.0} if "huginn" in shape else {}
     new = args.new_tokens
-    length = ids.shape[1] + (new + 1) * (gamma + 1)  # static storage: every block may leave up to gamma holes
+    length = storage_length(ids.shape[1], new, gamma)
     make = lambda: make_cache(cache_name, model, gamma, args.mode, ids.shape[0], length)  # noqa: E731
     row: dict[str, Any] = {
         "mode": args.mode,

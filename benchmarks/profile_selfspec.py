@@ -3,7 +3,8 @@ GPU time per kernel name, per phase (drafts, verification), and what the host do
 
 Method: per cache, a static cache of bench_selfspec's size (`prompt + (new_tokens + 1) * (gamma + 1)`), one
 `self_speculative_generate` call that captures every step (acceptance forced at the family fixture's rate with the
-same cache, as bench_selfspec drives it, or `--alpha`; the same seed, so the same blocks every call), `reset()`, then the same call under `torch.profiler` (CPU and CUDA activity; phase timing on, so a sync and a
+same cache, as bench_selfspec drives it, or `--alpha`; the same seed, so the same blocks every call), `reset()`,
+then the same call under `torch.profiler` (CPU and CUDA activity; phase timing on, so a sync and a
 `self_speculative::<phase>` range surround each phase) and, unprofiled, the call again timed
 (`SpeculativeStats(phase_timing=False)`). Per block (`blocks`: the verifications of the timed call): `wall_ms`
 (unprofiled), `gpu_busy_ms` (the union of the kernels' intervals, the prefill's included; kernels that overlap count
@@ -21,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 import torch
 
-from benchmarks.bench_selfspec import CACHES, DRAFT_LOOPS, FAMILY, load_acceptance, make_cache
-from benchmarks.common import RESULTS, build, environment
+from benchmarks.bench_selfspec import CACHES, DRAFT_LOOPS, FAMILY, load_acceptance, make_cache, storage_length
+from benchmarks.common import RESULTS, build, environment, timed
+from benchmarks.profile_step import busy_us
 from hf_loopcache import SpeculativeStats, self_speculative_generate
-
-PHASES = ("draft_time_s", "verify_time_s")
 
 
 def _events(prof: Any, blocks: int) -> dict[str, Any]:
@@ -39,7 +38,7 @@ def _events(prof: Any, blocks: int) -> dict[str, Any]:
     time (self time)."""
     from torch.autograd import DeviceType
 
-    ranges = {name: [] for name in PHASES}
+    ranges: dict[str, list[tuple[float, float]]] = {}
     gpu, runtime, aten = [], {}, {}
     for e in prof.events():
         a, b = e.time_range.start, e.time_range.end
@@ -56,11 +55,6 @@ def _events(prof: Any, blocks: int) -> dict[str, Any]:
             slot = aten.setdefault(e.name, [0.0, 0.0])
             slot[0] += e.self_cpu_time_total
             slot[1] += 1
-    busy, end = 0.0, float("-inf")
-    for a, b, _ in sorted(gpu):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
     bounds = sorted((a, b, phase) for phase, spans in ranges.items() for a, b in spans)
 
     def phase_of(t: float) -> str:
@@ -90,11 +84,11 @@ def _events(prof: Any, blocks: int) -> dict[str, Any]:
             launches=round(sum(v[1] for v in table.values()) / blocks, 1),
             kernels=per_block(table, 16),
         )
-        for phase in sorted(set(kernels) | {p for p, spans in ranges.items() if spans})
+        for phase in sorted(set(kernels) | set(ranges))
         for table in [kernels.get(phase, {})]
     }
     return dict(
-        gpu_busy_ms=round(busy / blocks / 1000, 3),
+        gpu_busy_ms=round(busy_us([(a, b) for a, b, _ in gpu]) / blocks / 1000, 3),
         gpu_sum_ms=round(sum(b - a for a, b, _ in gpu) / blocks / 1000, 3),
         phases=phases,
         runtime=per_block(runtime, 12),
@@ -106,10 +100,9 @@ def profile_cache(model: Any, name: str, ids: torch.Tensor, *, draft: int, gamma
                   alpha: float, kwargs: dict[str, Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    length = ids.shape[1] + (new_tokens + 1) * (gamma + 1)
+    length = storage_length(ids.shape[1], new_tokens, gamma)
     cache = make_cache(name, model, gamma, "graph", ids.shape[0], length)
     cuda = ids.is_cuda
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def run(stats: SpeculativeStats | None = None) -> None:
         gen = torch.Generator(device=ids.device).manual_seed(0)
@@ -120,16 +113,11 @@ def profile_cache(model: Any, name: str, ids: torch.Tensor, *, draft: int, gamma
 
     run()  # captures every step
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
     profiled = SpeculativeStats()  # phase timing: a sync and a profiler range around each phase
     with profile(activities=activities) as prof:
-        run(profiled)
-        sync()
+        timed(lambda: run(profiled), str(ids.device))
     stats = SpeculativeStats(phase_timing=False)
-    start = time.perf_counter()
-    run(stats)
-    sync()
-    total = time.perf_counter() - start
+    _, total = timed(lambda: run(stats), str(ids.device))
     blocks = max(1, stats.verifications)
     return dict(
         blocks=stats.verifications,

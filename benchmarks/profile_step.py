@@ -63,12 +63,17 @@ def _kernels(fn: Any) -> tuple[dict[str, list[float]], float, float]:
         slot = per.setdefault(e.name[:90], [0.0, 0.0])
         slot[0] += b - a
         slot[1] += 1
+    return per, busy_us(spans), sum(b - a for a, b in spans)
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of `(start, end)` intervals (kernels that overlap count once)."""
     busy, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b > end:
             busy += b - max(a, end)
             end = b
-    return per, busy, sum(b - a for a, b in spans)
+    return busy
 
 
 def profile_step(model: Any, cache_name: str, batch: int, context: int, steps: int, mode: str,

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from benchmarks.bench_selfspec import CACHES, DRAFT_LOOPS, make_cache
-from benchmarks.common import RESULTS, build, environment
+from benchmarks.common import RESULTS, build, environment, timed
 from benchmarks.profile_step import _kernels
 
 
@@ -48,17 +47,10 @@ def _per_forward(fn: Any, calls: int) -> dict[str, Any]:
 
 
 def _wall_us(fn: Any, calls: int = 10) -> float:
-    """Median microseconds of `fn()` from a synced GPU to a sync after it (0.0 without CUDA)."""
+    """Median microseconds of `fn()` from a synced GPU to a sync after it (`common.timed`; 0.0 without CUDA)."""
     if not torch.cuda.is_available():
         return 0.0
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return round(1e6 * statistics.median(times), 1)
+    return round(1e6 * statistics.median(timed(fn, "cuda")[1] for _ in range(calls)), 1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -282,7 +282,7 @@ def _coded_attention_fwd(
     w_len = view.ring_capacity if static else view.length - view.window_start
     # the window positions the tail programs are planned for: a ring's reach where the view gives one (they loop
     # over the rest of the ring where a row's stretch is longer, `kernels._coded_attention_fwd_kernel`)
-    w_plan = min(w_len, view.window_reach) if static and view.window_reach is not None else w_len
+    w_plan = w_len if view.window_reach is None else min(w_len, view.window_reach)  # (a ring's: the view checks)
     wk, wv = (view.window_key, view.window_value) if w_len else (dummy, dummy)
     hk_, hv_ = view.history_key, view.history_value
     fmt = view.history_nbits or 0
