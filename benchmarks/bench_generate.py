@@ -521,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="V precision over a split history as an optimistic value pass and a check that reruns "
                              "the splits whose hot set changes (on), or after a page-maxima pass (off) "
                              "(ROW1_TUNING['vprec_optimistic'])")
-    parser.add_argument("--static-read", default=StaticDenseLayer.read_method, choices=("sdpa", "kernel", "matmul"),
+    parser.add_argument("--static-read", default=StaticDenseLayer.read_method,
+                        choices=("auto", "sdpa", "kernel", "matmul"),
                         help="how a static dense cell reads its storage (StaticDenseLayer.read_method)")
     return parser
 

@@ -7,13 +7,22 @@ events, median of 50; host time is included (eager calls, not a captured step). 
 logits of the first four decode steps of the growable cache (eager) against the static cache (captured on CUDA).
 Writes `static_read.json` under `--out-dir`.
 
+`--live N ...` times instead one static dense cell's one-token read when the storage (`--length` positions) holds
+only N of them, as a generous `max_cache_len` leaves it, for each `StaticDenseLayer.read_method` that reads on the GPU
+(`sdpa`: cuDNN over the whole storage with the step's mask; `kernel`: `coded_attention` up to the device-side
+length), at batch 1 and 8, at Ouro-1.4B's head shape and Huginn-0125's (55 heads of 96): GPU time of the read
+replayed in a CUDA graph, as the captured step runs it (`triton.testing.do_bench_cudagraph`, median). Writes
+`static_read_live.json`.
+
     python -m benchmarks.bench_static_read                      # on a GPU
     python -m benchmarks.bench_static_read --device cpu --length 300   # a smoke run of the code on the CPU
+    python -m benchmarks.bench_static_read --length 8192 --live 1024 4096 8191
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -50,6 +59,7 @@ def _median_us(fn, device: str, n: int = 50) -> float:
 def cell_reads(device: str, length: int, heads: int = 16, dim: int = 128) -> list[dict[str, Any]]:
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     rows: list[dict[str, Any]] = []
+    default = StaticDenseLayer.read_method
     for batch in (1, 8):
         source = StaticDenseLayer(batch, length)
         keys = torch.randn(batch, heads, length - 1, dim, device=device, dtype=dtype)
@@ -73,7 +83,7 @@ def cell_reads(device: str, length: int, heads: int = 16, dim: int = 128) -> lis
             StaticDenseLayer.read_method = method
             rows.append({"cell": "static dense", "read": method, "batch": batch,
                          "us": round(_median_us(dense_step, device), 1)})
-        StaticDenseLayer.read_method = "sdpa"
+        StaticDenseLayer.read_method = default
         k, v = source.k, source.v
         bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, float("-inf"))
         if device != "cpu":
@@ -99,6 +109,49 @@ def cell_reads(device: str, length: int, heads: int = 16, dim: int = 128) -> lis
         rows.append({"cell": "static shared (RIPE 64)", "read": "coded_attention in place", "batch": batch,
                      "us": round(_median_us(shared_step, device), 1)})
     return rows
+
+
+def live_reads(device: str, capacity: int, lives: list[int]) -> list[dict[str, Any]]:
+    """One-token reads of a static dense cell of `capacity` positions holding `live` of them (see the docstring)."""
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    rows: list[dict[str, Any]] = []
+    default = StaticDenseLayer.read_method
+    for shape, heads, dim in (("ouro-1.4b", 16, 128), ("huginn-0125", 55, 96)):
+        for batch in (1, 8):
+            cell = StaticDenseLayer(batch, capacity)
+            stored = torch.randn(batch, heads, capacity, dim, device=device, dtype=dtype)
+            cell.lazy_initialization(stored[:, :, :1], stored[:, :, :1])
+            cell.k.copy_(stored)
+            cell.v.copy_(stored)
+            query = torch.randn(batch, heads, 1, dim, device=device, dtype=dtype)
+            for live in lives:
+                valid = torch.arange(capacity, device=device)[None].expand(batch, capacity) < live
+                valid = valid.contiguous()
+                positions = torch.tensor([live - 1], device=device)
+                read = ReadState(key_valid=None, scaling=dim**-0.5, positions=positions, static_valid=valid,
+                                 static_mask=static_mask(positions, valid), length=live - 1)  # fmt: skip
+                new = stored[:, :, live - 1 : live]
+                for method in ("sdpa", "kernel"):
+                    StaticDenseLayer.read_method = method
+                    us = _graph_us(functools.partial(cell.read_storage, query, new, new, read, positions), device)
+                    rows.append({"cell": "static dense, live", "shape": shape, "read": method, "batch": batch,
+                                 "capacity": capacity, "live": live, "us": us})  # fmt: skip
+                    print(rows[-1], flush=True)
+                StaticDenseLayer.read_method = default
+    return rows
+
+
+def _graph_us(fn, device: str) -> float:
+    """Median GPU microseconds of `fn` replayed in a CUDA graph (on the CPU: one timed call, a smoke value)."""
+    if device == "cpu":
+        start = time.perf_counter()
+        fn()
+        return round((time.perf_counter() - start) * 1e6, 1)
+    import triton
+
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    return round(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000, 1)
 
 
 def bf16_logits(device: str) -> list[dict[str, Any]]:
@@ -133,8 +186,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--length", type=int, default=8192, help="positions of the storage")
+    parser.add_argument("--live", nargs="+", type=int, default=None,
+                        help="time one-token reads of a storage holding these many positions (see the docstring)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.live is not None:
+        if not all(1 <= n <= args.length for n in args.live):
+            raise ValueError(f"`--live` counts must be in [1, --length={args.length}], got {args.live}")
+        rows = live_reads(args.device, args.length, args.live)
+        path = Path(args.out_dir) / "static_read_live.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+        print("wrote", path)
+        return
     rows = cell_reads(args.device, args.length)
     if args.device != "cpu":
         rows += bf16_logits(args.device)

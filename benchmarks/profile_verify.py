@@ -1,7 +1,8 @@
 """Per-kernel GPU time of a verification block against a decode step and a draft: one forward of 1 new token (every
 loop), one of 1 token with the draft depth (`--draft-loops`), and one of `gamma + 1` = 5 new tokens (every loop, as
 self-speculative decoding verifies `gamma = 4` drafts), over a static cache after a prefill, each rolled back by
-`crop` (so every forward sees the same cache).
+`crop` (so every forward sees the same cache). They run inside `cache.speculating()`, as the decoder's do (a default
+LoopKV cache then reads a block at both planes).
 
 Method: `torch.profiler` (CUDA activity) around 3 forwards of each kind after 2 warm-up forwards of each; by default
 eagerly (the eager static forward launches the kernels the captured graphs replay), with `--graph` through the
@@ -91,13 +92,14 @@ def main(argv: list[str] | None = None) -> None:
                 call(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=q, **extra)
                 cache.crop(length)
 
-            for _ in range(2):
-                for q, extra in kinds.values():
-                    forward(q, extra)
-            for kind, (q, extra) in kinds.items():
-                row = rows[f"{name} {kind}"] = _per_forward(lambda q=q, extra=extra: forward(q, extra), 3)
-                row["wall_us"] = _wall_us(lambda q=q, extra=extra: forward(q, extra))
-                print(name, kind, row["total_us"], row["launches"], row["wall_us"], flush=True)
+            with cache.speculating():  # the forwards read as self-speculative decoding's (`LoopCache.speculating`)
+                for _ in range(2):
+                    for q, extra in kinds.values():
+                        forward(q, extra)
+                for kind, (q, extra) in kinds.items():
+                    row = rows[f"{name} {kind}"] = _per_forward(lambda q=q, extra=extra: forward(q, extra), 3)
+                    row["wall_us"] = _wall_us(lambda q=q, extra=extra: forward(q, extra))
+                    print(name, kind, row["total_us"], row["launches"], row["wall_us"], flush=True)
         del cache
     path = RESULTS / f"{args.out}.json"
     header = dict(

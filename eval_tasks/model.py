@@ -10,7 +10,7 @@ that is neither an HFLM argument nor a field of the model's config is refused):
 |--------------------------|-------------------------------------------------------------------------------------------|
 | `pretrained`             | a fixture name (`tiny-ouro`, `tiny-huginn`), a model folder, or a Hub id                   |
 | `cache`                  | `hf_loopcache.build_cache` spec: `full` (default), `ripe`, `deepest`, `loopkv:<preset>`, a plan folder, a Hub id |
-| `window`, `sink`, `tau`, `page_size`, `group_size`, `max_rollback`, `plan_revision` | the spec's options (`cache=ripe,window=64`; `v_precision_blocks` only True) |
+| `window`, `sink`, `tau`, `page_size`, `group_size`, `max_rollback`, `plan_revision` | the spec's options (`cache=ripe,window=64`; `v_precision_blocks`: True or left out, not False) |
 | `num_loops`              | loops of every forward (Ouro `num_loops`, Huginn `num_steps`) and of the cache           |
 | `draft_loops`, `block_size` | self-speculative decoding (`hf_loopcache.self_speculative`) for `generate_until`       |
 | `max_gen_toks`           | new tokens for tasks that set none (default 1024; HFLM's 256 cuts GSM8K / MATH reasoning) |
@@ -74,10 +74,11 @@ class LoopCacheLM(HFLM):
         self.cache_spec = kwargs.pop("cache", "full")
         num_loops = kwargs.pop("num_loops", None)  # the forwards' loop count, and the cache's where its spec takes it
         self.cache_options = {k: kwargs.pop(k) for k in CACHE_OPTIONS if k in kwargs}
-        if self.cache_options.get("v_precision_blocks", True) is not True:
+        if self.cache_options.get("v_precision_blocks") is False:
             raise ValueError(
-                "model_args `v_precision_blocks` must be True here (the default): loglikelihood scores continuations "
-                "in blocks that must read what decoding reads, V precision per row included; "
+                "model_args `v_precision_blocks` must be True or None here (None, the default, reads V precision in "
+                "blocks except self-speculative verification): loglikelihood scores continuations in blocks that "
+                "must read what decoding reads, V precision per row included; "
                 f"got {self.cache_options['v_precision_blocks']!r}"
             )
         draft_loops = kwargs.pop("draft_loops", None)

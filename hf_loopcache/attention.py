@@ -276,22 +276,29 @@ class VPrecision:
     running maximum is seeded with the largest sink score and updated page by page in position order. Cold tokens
     read only the high 2-bit plane of their INT4 value code and decode to the bucket midpoint.
 
-    `blocks` (default True): the rule also applies to forwards of more than one new token (verification blocks of
-    self-speculative decoding, teacher-forced replay in blocks), per query row, so a block reads what token-by-token
-    decoding reads. False: such forwards read both planes of every history token (plain INT4; V precision stays on
-    one-token forwards: decoding and drafts). A token read hot that the rule would leave cold costs bytes, never
-    precision (LoopKV Sec. 3.3), so every row of a block then reads at least its own hot set at full precision, and
-    on the GPU the block runs the plain INT4 kernel, which is faster than V precision's (README, "Self-speculative
-    decoding").
+    `blocks`: whether the rule also applies to forwards of more than one new token. True: per query row, in every such
+    forward (verification blocks of self-speculative decoding, teacher-forced replay in blocks), so a block reads what
+    token-by-token decoding reads. False: such forwards read both planes of every history token (plain INT4; V
+    precision stays on one-token forwards: decoding and drafts). None (the default): True, except in the forwards of
+    a self-speculative decode (`LoopCache.speculating`), whose blocks read both planes. A token read hot that the rule
+    would leave cold costs bytes, never precision (LoopKV Sec. 3.3), so every row of a block read at both planes reads
+    at least its own hot set at full precision, and on the GPU the block runs the plain INT4 kernel, which is faster
+    than V precision's (README, "Self-speculative decoding"); self-speculation over LoopKV is approximate either way
+    (its pages are coded by storage position, so a page may hold holes).
     """
 
     tau: float = 14.0
     page_size: int = 32  # pages of the running maximum in `segmented_attention`; the cache uses its code pages
-    blocks: bool = True
+    blocks: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.blocks, bool):
-            raise TypeError(f"`VPrecision.blocks` must be a bool (True or False), got {self.blocks!r}")
+        if self.blocks is not None and not isinstance(self.blocks, bool):
+            raise TypeError(f"`VPrecision.blocks` must be True, False or None, got {self.blocks!r}")
+
+    def in_blocks(self, speculating: bool) -> bool:
+        """Whether forwards of several new tokens apply the rule, in a self-speculative decode (`speculating`) or
+        not."""
+        return (not speculating) if self.blocks is None else self.blocks
 
     @property
     def margin(self) -> float:

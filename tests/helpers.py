@@ -117,14 +117,17 @@ class ReplayedStep:
     def __init__(self, fn, out, cache, host: list[dict]):
         self.fn, self.out, self.cache = fn, out, cache
         self.host = host  # at the recording, before it ran
+        self.speculating = cache.is_speculating  # the cache-wide read mode a recording fixes too
         self.replays = 0
 
     def replay(self):
-        now = host_state(self.cache)
+        now, speculating = host_state(self.cache), self.cache._speculating
         restore_host_state(self.cache, self.host)
+        self.cache._speculating = self.speculating
         with torch.no_grad():
             self.out.copy_(self.fn())
         restore_host_state(self.cache, now)
+        self.cache._speculating = speculating
         self.replays += 1
 
 

@@ -11,6 +11,7 @@ import pytest
 from torch.autograd import DeviceType
 
 from benchmarks import bench_selfspec, profile_selfspec, profile_verify
+from hf_loopcache.cache.base import LoopCache
 
 
 def _event(name, start, end, cuda=False, self_cpu=0.0):
@@ -62,6 +63,8 @@ def test_profile_selfspec_on_the_cpu(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["draft_loops"] == 2
     measured = bench_selfspec.load_acceptance(acceptance, 4)
+    # a cache named in `ACCEPTANCE_AS` takes its other name's row
+    assert measured[("tiny-ouro", "loopkv-kivi4-share-vprec-blocks")] == measured[("tiny-ouro", "loopkv-kivi4-share")]
     for name, row in data["rows"].items():
         assert row["alpha"] == measured[("tiny-ouro", name)]  # the fixture's acceptance with the same cache
         assert row["blocks"] > 0 and row["wall_ms"] > 0
@@ -76,8 +79,17 @@ def test_profile_selfspec_on_the_cpu(tmp_path, monkeypatch):
 
 def test_profile_verify_through_the_captured_step_runner_on_the_cpu(tmp_path, monkeypatch):
     """`--graph` goes through `model.get_compiled_call` (eager on the CPU), `--capacity` sizes the static cache,
-    `--rollback` sets its rollback reserve; the three forwards (step, draft, verification block) per cache."""
+    `--rollback` sets its rollback reserve; the three forwards (step, draft, verification block) per cache, each
+    run as the decoder runs it (`cache.speculating()`), the prefill not."""
     monkeypatch.setattr(profile_verify, "RESULTS", tmp_path)
+    seen = []
+    begin = LoopCache.begin_forward
+
+    def spy(self, layout, num_loops, query_length):
+        seen.append((query_length, self.is_speculating))
+        return begin(self, layout, num_loops, query_length)
+
+    monkeypatch.setattr(LoopCache, "begin_forward", spy)
     profile_verify.main(
         ["--shape", "micro-ouro", "--caches", "loopkv-kivi4-share-verify-int4", "--batch", "2", "--prompt", "64",
          "--capacity", "100", "--rollback", "4", "--graph", "--device", "cpu", "--out", "v"]
@@ -86,6 +98,7 @@ def test_profile_verify_through_the_captured_step_runner_on_the_cpu(tmp_path, mo
     assert (data["capacity"], data["graph"], data["draft_loops"], data["rollback"]) == (100, True, 2, 4)
     assert set(data["rows"]) == {f"loopkv-kivi4-share-verify-int4 {k}" for k in ("q1", "draft2", "q5")}
     assert data["forwards"]["draft2"]["new_tokens"] == 1 and data["forwards"]["draft2"]["num_loops"] == 2
+    assert seen[0] == (64, False) and {s for _, s in seen[1:]} == {True} and {q for q, _ in seen[1:]} == {1, 5}
     with pytest.raises(ValueError, match="--rollback"):
         profile_verify.main(["--shape", "micro-ouro", "--rollback", "-1", "--device", "cpu"])
     with pytest.raises(ValueError, match="--capacity"):

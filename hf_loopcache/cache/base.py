@@ -3,21 +3,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
-from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
+from hf_loopcache.cache.layers.static import StaticDenseLayer, dense_read, static_mask
 from hf_loopcache.cache.layers.static_coded import FlushGroup, StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
 from hf_loopcache.cache.read import ReadState, VPrecisionStats
 from hf_loopcache.cache.rows import group_cache, merge_group, widen_rows
 from hf_loopcache.layout import Cell, LoopLayout
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["LoopCache", "resolve_layout"]
 
@@ -137,6 +141,7 @@ class LoopCache(Cache):
         self.v_precision = v_precision
         self._v_precision_stats: VPrecisionStats | None = None  # set by `track_v_precision()`
         self._draft_loops: int | None = None  # loops of the current forward when fewer than the cache holds
+        self._speculating = False  # inside `speculating()`: forwards of a self-speculative decode
         # the current forward's read state, one per device its cells sit on (a model split by `device_map`), keyed by
         # the device's name (string keys: the cache stays a pytree, see `pytree.py`)
         self._read: tuple[AttentionInputs, dict[str, ReadState]] | None = None
@@ -227,6 +232,24 @@ class LoopCache(Cache):
         """Loops of the current forward if it runs fewer than the cache holds (a partial-depth draft), else None."""
         return self._draft_loops
 
+    @contextlib.contextmanager
+    def speculating(self) -> Iterator[LoopCache]:
+        """Run the forwards inside as a self-speculative decode's (drafts, verification blocks): the state is part of
+        every forward's `ReadState`, and a captured step is keyed by it. It changes one read: LoopKV's V precision in
+        forwards of several tokens when `VPrecision.blocks` is None (the default), which a verification block then
+        reads at both planes (`VPrecision.in_blocks`). `self_speculative_generate` and the `self_speculative`
+        strategy enter it for their decode loop."""
+        previous, self._speculating = self._speculating, True
+        try:
+            yield self
+        finally:
+            self._speculating = previous
+
+    @property
+    def is_speculating(self) -> bool:
+        """Whether forwards now run as a self-speculative decode's (see `speculating`)."""
+        return self._speculating
+
     def read_state(self, inputs: AttentionInputs, device: torch.device | None = None) -> ReadState:
         """The `ReadState` of the current forward on `device` (built once per forward and device from its
         `AttentionInputs`; the key mask is copied once to each device the model's cells sit on). `device` defaults to
@@ -249,7 +272,7 @@ class LoopCache(Cache):
                     scaling=inputs.scaling,
                     draft_loops=self._draft_loops,
                     v_precision_tau=None if self.v_precision is None else self.v_precision.tau,
-                    v_precision_blocks=self.v_precision is None or self.v_precision.blocks,
+                    v_precision_blocks=self.v_precision is None or self.v_precision.in_blocks(self._speculating),
                     v_precision_stats=self._v_precision_stats,
                     home=None if where == home else states[str(home)],
                     positions=to(inputs.positions, where),
@@ -469,6 +492,14 @@ class LoopCache(Cache):
             source_length=self._source_length_t,
         )
         return inputs, position_ids
+
+    def _step_mode(self, query_length: int, cuda: bool) -> tuple[bool, str]:
+        """What a static cache's forward of `query_length` new tokens reads by, besides shapes and addresses, from host
+        state a captured step fixes: whether it runs as a self-speculative decode's (`speculating`) and which read its
+        dense cells run (`layers.static.dense_read`: with `"auto"`, the kernel or cuDNN by how full the storage is).
+        `DecodeGraphs` keys a captured step by it."""
+        length = self.get_seq_length()
+        return self._speculating, dense_read(StaticDenseLayer.read_method, length, query_length, self.max_cache_len, cuda)
 
     def captured_steps(self) -> list[dict[str, Any]]:
         """The steps captured for this static cache (`generate`'s decode steps, self-speculation's drafts and

@@ -102,8 +102,8 @@ def build_cache(
             Every spec takes them; plans with coded cells are refused for now. They are not among `CACHE_OPTIONS`.
         **options: `window`, `sink`, `tau`, `v_precision_blocks`, `page_size`, `group_size`, `num_loops`,
             `max_rollback`, `plan_revision`, as the spec takes them (`window` defaults to 64 for `ripe` and to 256 for
-            LoopKV presets; `tau` to 14.0, None turns V precision off; `v_precision_blocks` to True, False reads both
-            planes in forwards of several tokens: `LoopKVCache`).
+            LoopKV presets; `tau` to 14.0, None turns V precision off; `v_precision_blocks` to None (V precision in blocks
+            except a self-speculative decode's), True or False: `LoopKVCache`).
 
     Returns:
         `LoopCache`: a new, empty cache (one per request: caches hold one sequence batch's history).
@@ -133,9 +133,9 @@ def build_cache(
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
         raise ValueError(f"`tau` must be a number of bits or None (V precision off), got {tau!r}")
     tau = None if tau is None else float(tau)
-    blocks = options.pop("v_precision_blocks", True)
-    if not isinstance(blocks, bool):
-        raise ValueError(f"`v_precision_blocks` must be True or False, got {blocks!r}")
+    blocks = options.pop("v_precision_blocks", None)
+    if blocks is not None and not isinstance(blocks, bool):
+        raise ValueError(f"`v_precision_blocks` must be True, False or None, got {blocks!r}")
     static_options = dict(static=static, max_batch_size=max_batch_size, max_cache_len=max_cache_len)
     if kind == "full":
         return FullLoopCache(model, **options, **static_options)

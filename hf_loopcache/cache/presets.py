@@ -132,9 +132,10 @@ class LoopKVCache(LoopCache):
             or `CachePlan.from_pretrained`), a preset name (one of `LOOPKV_PRESETS`), or a local folder / JSON file
             written by `CachePlan.save_pretrained`.
         tau (`float`, *optional*, defaults to 14.0): V-precision threshold in bits; None reads every low plane.
-        v_precision_blocks (`bool`, *optional*, defaults to True): V precision in forwards of several new tokens too
-            (verification blocks, replay in blocks), per query row as decoding reads; False: those read both planes
-            of every history token (faster self-speculative verification; `VPrecision.blocks`).
+        v_precision_blocks (`bool`, *optional*): V precision in forwards of several new tokens too, per query row as
+            decoding reads. True: in every such forward (verification blocks, replay in blocks); False: those read
+            both planes of every history token; None (the default): V precision in blocks except a self-speculative
+            decode's verification blocks, which read both planes (faster; `VPrecision.blocks`).
         max_rollback (`int`, *optional*, defaults to 0): see `LoopCache`.
         num_loops (`int`, *optional*): loop count for a preset plan; defaults to the model's.
         static, max_batch_size, max_cache_len: a static cache (preallocated storage, device-side lengths, a decode
@@ -147,7 +148,7 @@ class LoopKVCache(LoopCache):
         plan: CachePlan | str | os.PathLike = "kivi4",
         *,
         tau: float | None = 14.0,
-        v_precision_blocks: bool = True,
+        v_precision_blocks: bool | None = None,
         max_rollback: int = 0,
         num_loops: int | None = None,
         static: bool = False,
@@ -167,8 +168,8 @@ class LoopKVCache(LoopCache):
             raise TypeError(
                 f"`plan` must be a CachePlan, one of {LOOPKV_PRESETS}, or a plan folder; got {type(plan).__name__}"
             )
-        if not isinstance(v_precision_blocks, bool):
-            raise ValueError(f"`v_precision_blocks` must be True or False, got {v_precision_blocks!r}")
+        if v_precision_blocks is not None and not isinstance(v_precision_blocks, bool):
+            raise ValueError(f"`v_precision_blocks` must be True, False or None, got {v_precision_blocks!r}")
         v_precision = None if tau is None else VPrecision(tau=tau, page_size=plan.page_size, blocks=v_precision_blocks)
         super().__init__(
             model_or_layout,

@@ -442,30 +442,36 @@ def _speculative_decode(
     _emit(rows, [[t] for t in last.tolist()], rules, streamer)  # a host read: the prefill has run
     decode_start = time.perf_counter()
 
-    while not all(rows.finished):
-        start = cache.get_seq_length()
-        gamma = block_size
-        if max_length is not None:  # a block never needs to reach beyond the longest row's remaining budget
-            room = max(max_length - input_ids.shape[1] - len(g) for g, f in zip(rows.generated, rows.finished) if not f)
-            gamma = max(0, min(gamma, room - 1))
-        with _Timer(speculative_stats, "draft_time_s", device):
-            draft_tokens, draft_probs = draft_block(step, rows, last, mask, gamma)
-            if gamma:
-                cache.rollback(start)
-        with _Timer(speculative_stats, "verify_time_s", device):
-            target_scores = verify_block(step, rows, last, draft_tokens, mask)
-            accept_length, next_token = accept_block(step, draft_tokens, draft_probs, target_scores, forced_acceptance)
-            host = torch.cat([accept_length[:, None], draft_tokens, next_token[:, None]], dim=1).tolist()  # one sync
-            accepted = [r[0] for r in host]
-            max_accept = max(k for k, f in zip(accepted, rows.finished) if not f)
-            if any(rows.finished):  # finished rows keep no more than the others
-                accept_length = accept_length.clamp(max=max_accept)
-            mask = commit_block(cache, mask, start, accept_length, max_accept, block=gamma + 1)
-            last = next_token
-        if speculative_stats is not None:
-            speculative_stats._record(accepted, gamma, [not f for f in rows.finished])
-        emitted = [r[1 : 1 + r[0]] + [r[-1]] for r in host]
-        _emit(rows, emitted, rules, streamer)
+    # the prefill reads as `generate` does; the forwards after it as a self-speculative decode's
+    # (`LoopCache.speculating`: LoopKV's verification blocks at both planes unless `VPrecision.blocks` says otherwise)
+    with cache.speculating():
+        while not all(rows.finished):
+            start = cache.get_seq_length()
+            gamma = block_size
+            if max_length is not None:  # a block never needs to reach beyond the longest row's remaining budget
+                prompt = input_ids.shape[1]
+                room = max(max_length - prompt - len(g) for g, f in zip(rows.generated, rows.finished) if not f)
+                gamma = max(0, min(gamma, room - 1))
+            with _Timer(speculative_stats, "draft_time_s", device):
+                draft_tokens, draft_probs = draft_block(step, rows, last, mask, gamma)
+                if gamma:
+                    cache.rollback(start)
+            with _Timer(speculative_stats, "verify_time_s", device):
+                target_scores = verify_block(step, rows, last, draft_tokens, mask)
+                accept_length, next_token = accept_block(
+                    step, draft_tokens, draft_probs, target_scores, forced_acceptance
+                )
+                host = torch.cat([accept_length[:, None], draft_tokens, next_token[:, None]], dim=1).tolist()  # a sync
+                accepted = [r[0] for r in host]
+                max_accept = max(k for k, f in zip(accepted, rows.finished) if not f)
+                if any(rows.finished):  # finished rows keep no more than the others
+                    accept_length = accept_length.clamp(max=max_accept)
+                mask = commit_block(cache, mask, start, accept_length, max_accept, block=gamma + 1)
+                last = next_token
+            if speculative_stats is not None:
+                speculative_stats._record(accepted, gamma, [not f for f in rows.finished])
+            emitted = [r[1 : 1 + r[0]] + [r[-1]] for r in host]
+            _emit(rows, emitted, rules, streamer)
 
     if speculative_stats is not None:
         _sync(device)  # the last commit's writes

@@ -109,7 +109,8 @@ class DecodeGraphs:
         if not all(isinstance(v, _SCALARS) for _, v in rest):
             return None
         storage = cache.cells[0].k.data_ptr() if getattr(cache.cells[0], "k", None) is not None else 0
-        return (ids.shape[0], q, mask is not None, pos is not None, storage, cache._floor_groups(), rest)
+        mode = cache._step_mode(q, ids.is_cuda)  # what reads depend on besides shapes (V precision in blocks, dense reads)
+        return (ids.shape[0], q, mask is not None, pos is not None, storage, cache._floor_groups(), mode, rest)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = generate_cache(kwargs)

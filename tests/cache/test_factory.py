@@ -97,7 +97,7 @@ def test_resolution_order_names_before_folders(tmp_path, monkeypatch):
         ("loopkv:kivi4", {"tau": "high"}, r"`tau` must be a number of bits or None \(V precision off\), got .high."),
         ("ripe", {"window": -1}, r"`window` must be a non-negative int, got -1"),
         ("loopkv:kivi2", {"num_loops": 0}, r"`num_loops` must be a positive int, got 0"),
-        ("loopkv:kivi4", {"v_precision_blocks": "no"}, r"`v_precision_blocks` must be True or False, got 'no'"),
+        ("loopkv:kivi4", {"v_precision_blocks": "no"}, r"`v_precision_blocks` must be True, False or None, got 'no'"),
         ("ripe", {"v_precision_blocks": False}, r"does not take option\(s\) v_precision_blocks"),
     ],
     ids=[

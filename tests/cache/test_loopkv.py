@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -283,8 +284,55 @@ def test_v_precision_blocks_off_reads_both_planes_in_blocks_only(arch, static):
     assert off_stats["cold"] == rows_stats["cold"] > 0 and off_stats["history"] == rows_stats["history"]
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("static", [False, True], ids=["growable", "static"])
+def test_v_precision_blocks_default_reads_both_planes_only_while_speculating(arch, static):
+    """`v_precision_blocks=None` (the default): a block reads with V precision per row (as True) outside a
+    self-speculative decode and at both planes (as False) inside `cache.speculating()`; a one-token forward keeps V
+    precision either way, and `True` keeps it in blocks inside too."""
+    model = _model(arch)
+    ids = _ids(40, seed=3)
+    kw = dict(static=True, max_batch_size=1, max_cache_len=48) if static else {}
+
+    def run(chunks, speculating, **options):
+        plan = _small_plan(model.loop_layout, "kivi4-share")
+        c = LoopKVCache(model, plan, tau=1.0, **options, **kw)
+        model(ids[:, :30], cache=c, use_cache=True, **call_kwargs(arch))  # prefill: coded pages, no coded read
+        stats = c.track_v_precision()
+        with c.speculating() if speculating else contextlib.nullcontext():
+            assert c.is_speculating is speculating
+            logits = [model(ids[:, a:b], cache=c, use_cache=True, **call_kwargs(arch)).logits for a, b in chunks]
+        assert not c.is_speculating
+        return torch.cat(logits, dim=1), stats["history"]
+
+    block = [(30, 35)]
+    rows, rows_read = run(block, False, v_precision_blocks=True)
+    both, both_read = run(block, False, v_precision_blocks=False)
+    assert (rows - both).abs().max() > 1e-4 and rows_read > 0 and both_read == 0
+    for speculating, (want, read) in ((False, (rows, rows_read)), (True, (both, both_read))):
+        got, got_read = run(block, speculating)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert got_read == read
+    got, got_read = run(block, True, v_precision_blocks=True)
+    torch.testing.assert_close(got, rows, atol=0, rtol=0)
+    step = [(30, 31), (31, 32)]
+    rows, rows_read = run(step, False, v_precision_blocks=True)
+    got, got_read = run(step, True)
+    torch.testing.assert_close(got, rows, atol=0, rtol=0)
+    assert got_read == rows_read > 0
+
+
+def test_speculating_is_restored_after_an_error():
+    cache = LoopKVCache(OURO_14B, "kivi4")
+    with pytest.raises(RuntimeError, match="boom"), cache.speculating():
+        raise RuntimeError("boom")
+    assert not cache.is_speculating
+    assert VPrecision().blocks is None and VPrecision().in_blocks(False) and not VPrecision().in_blocks(True)
+    assert VPrecision(blocks=True).in_blocks(True) and not VPrecision(blocks=False).in_blocks(False)
+
+
 def test_v_precision_blocks_must_be_a_bool():
-    with pytest.raises(ValueError, match=r"`v_precision_blocks` must be True or False, got 1"):
+    with pytest.raises(ValueError, match=r"`v_precision_blocks` must be True, False or None, got 1"):
         LoopKVCache(OURO_14B, "kivi4", v_precision_blocks=1)
-    with pytest.raises(TypeError, match=r"`VPrecision.blocks` must be a bool"):
+    with pytest.raises(TypeError, match=r"`VPrecision.blocks` must be True, False or None"):
         VPrecision(tau=14.0, blocks="no")

@@ -165,7 +165,7 @@ def test_static_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("read_method", ["sdpa", "kernel"])
+@pytest.mark.parametrize("read_method", ["sdpa", "kernel", "auto"])
 @pytest.mark.parametrize("name", sorted(CACHES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_captured_decode_equals_eager_cuda(arch, name, read_method, monkeypatch):
@@ -200,10 +200,38 @@ def test_static_read_methods_agree(monkeypatch, name):
     model = make_model("ouro").float()
     ids, mask = _prompt(3, True)
     expected = _generate(model, "ouro", ids, mask, CACHES[name](model))
-    for method in ("sdpa", "kernel", "matmul"):
+    for method in ("sdpa", "kernel", "matmul", "auto"):
         monkeypatch.setattr(StaticDenseLayer, "read_method", method)
         cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=24)
         assert torch.equal(_generate(model, "ouro", ids, mask, cache), expected)
+
+
+def test_auto_dense_read_follows_how_full_the_storage_is(monkeypatch):
+    """`read_method = "auto"` (the default) reads with the kernel on CUDA while the storage holds at most
+    `LIVE_READ_SHARE` (2/3) of its positions after the forward, with cuDNN's SDPA beyond and on the CPU; a static
+    cache's step mode, which keys its captured steps, says which, from the host length before the forward. A cell
+    decides from the same inputs (its read's host length)."""
+    from hf_loopcache.cache.layers import static
+    from hf_loopcache.cache.layers.static import LIVE_READ_SHARE, StaticDenseLayer, dense_read
+
+    assert StaticDenseLayer.read_method == "auto" and abs(LIVE_READ_SHARE - 2 / 3) < 1e-12
+    assert dense_read("auto", 59, 1, 90, cuda=True) == "kernel"  # 60 of 90 held after the forward
+    assert dense_read("auto", 60, 1, 90, cuda=True) == "sdpa"
+    assert dense_read("auto", 55, 5, 90, cuda=True) == "kernel" and dense_read("auto", 56, 5, 90, cuda=True) == "sdpa"
+    assert dense_read("auto", 1, 1, 90, cuda=False) == "sdpa"
+    assert all(dense_read(m, 89, 1, 90, cuda=True) == m for m in ("sdpa", "kernel", "matmul"))
+    model = make_model("ouro").float()
+    ids, mask = _prompt(3, True)
+    cache = FullLoopCache(model, static=True, max_batch_size=3, max_cache_len=15)
+    model(ids, attention_mask=mask, cache=cache, use_cache=True)  # 9 positions held
+    assert cache._step_mode(1, cuda=True) == (False, "kernel") and cache._step_mode(2, cuda=True) == (False, "sdpa")
+    assert cache._step_mode(1, cuda=False) == (False, "sdpa")
+    with cache.speculating():
+        assert cache._step_mode(1, cuda=True) == (True, "kernel")
+    seen = []
+    monkeypatch.setattr(static, "dense_read", lambda *args: seen.append(args) or "sdpa")
+    model(ids[:, :1], cache=cache, use_cache=True)
+    assert {args[1:4] for args in seen} == {(9, 1, 15)}  # every dense cell: held before, new tokens, storage
 
 
 @pytest.mark.parametrize("arch", ARCHS)

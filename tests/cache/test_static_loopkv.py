@@ -269,13 +269,18 @@ def test_static_ripe_with_a_sink_equals_growable(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_static_loopkv_self_speculative_lossless(arch):
+@pytest.mark.parametrize("blocks", [None, True], ids=["default", "vprec-blocks"])
+def test_static_loopkv_self_speculative_lossless(arch, blocks):
     """Self-speculative decoding (drafts with fewer loops, rollback, verification blocks) over a static LoopKV cache
-    at batch 1: token-identical to greedy decoding."""
+    at batch 1 (no holes): token-identical to greedy decoding. With `v_precision_blocks=True` the blocks read as
+    decoding with V precision reads, so the tokens are those of greedy decoding over the same cache; by default
+    (None) they read both planes, so the tokens are those of greedy decoding with V precision off (`tau=None`): only
+    the drafts read with it."""
     model = _model(arch)
     ids, mask = _prompt(1, False)
-    expected = _generate(model, arch, ids, mask, _cache(model, "kivi4-share"), new=12).sequences
-    cache = _cache(model, "kivi4-share", static=True, max_batch_size=1, max_cache_len=40)
+    tau = 1.0 if blocks else None
+    expected = _generate(model, arch, ids, mask, _cache(model, "kivi4-share", tau=tau), new=12).sequences
+    cache = _cache(model, "kivi4-share", static=True, max_batch_size=1, max_cache_len=40, v_precision_blocks=blocks)
     got = model.generate(
         ids, attention_mask=mask, cache=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
         custom_generate=hf_loopcache.self_speculative, draft_loops=1, block_size=3, **call_kwargs(arch),

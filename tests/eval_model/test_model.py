@@ -189,7 +189,7 @@ def test_reasoning_tasks_are_not_cut():
         (
             {"cache": "loopkv:kivi4", "v_precision_blocks": False},
             ValueError,
-            r"`v_precision_blocks` must be True here .* got False",
+            r"`v_precision_blocks` must be True or None here .* got False",
         ),
     ],
     ids=["unknown-spec", "option-not-taken", "data-key", "zero-loops", "bad-max-gen-toks", "vprec-blocks-off"],

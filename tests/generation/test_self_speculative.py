@@ -204,6 +204,32 @@ def test_approximate_caches_run_and_decode_sequentially_exactly(cache_name):
     assert spec.shape == ref.shape and torch.equal(spec[:, : ids.shape[1]], ids)
 
 
+@torch.no_grad()
+def test_loopkv_verification_reads_both_planes_unless_told_otherwise():
+    """Over a default LoopKV cache (`v_precision_blocks=None`) the decoder's verification blocks read both planes of
+    every history token, as with `v_precision_blocks=False` (the same tokens and the same V-precision read count:
+    only the one-token drafts count), while `True` keeps V precision per row in the blocks (more reads counted). The
+    cache leaves the decode no longer speculating."""
+    model = make_model("ouro", hidden_size=64).double()
+    ids, mask = _batch(True)
+    small = dict(sink=2, window=4, page_size=4, group_size=16)
+
+    def run(**options):
+        cache = LoopKVCache(model, loopkv_preset(model.loop_layout, "kivi4-share", **small), tau=1.0, **options)
+        stats = cache.track_v_precision()
+        out = self_speculative_generate(
+            model, ids, attention_mask=mask, draft_loops=2, block_size=3, max_new_tokens=16, cache=cache
+        )
+        assert not cache.is_speculating
+        return out, stats["history"]
+
+    default, default_read = run()
+    both, both_read = run(v_precision_blocks=False)
+    rows, rows_read = run(v_precision_blocks=True)
+    assert torch.equal(default, both) and default_read == both_read > 0
+    assert rows_read > both_read
+
+
 def test_unsupported_modes_and_bad_arguments_are_refused():
     model = make_model("ouro")
     ids = torch.tensor([[5, 9, 17]])

@@ -414,3 +414,37 @@ def test_the_decoder_reads_the_device_once_per_verification(monkeypatch, arch):
     syncs["n"] = 0
     run(24, SpeculativeStats())
     assert syncs["n"] == 1 + 2 + 4 * stats.verifications  # prefill, drafts and verifications, and the end
+
+
+@torch.no_grad()
+def test_a_block_outside_a_decode_does_not_replay_its_verification(monkeypatch):
+    """A captured step is keyed by the cache's read mode (`LoopCache.speculating`): after a self-speculative decode
+    has recorded its verification (a default LoopKV cache reads it at both planes), a block of the same shape run
+    through the captured-step runner outside a decode is recorded anew and reads with V precision per row, as the
+    eager forward does."""
+    stand_in_graphs(monkeypatch)
+    model = make_model("ouro").float()
+    ids, mask = _batch()
+    block = ids[:, : GAMMA + 1]
+
+    def build(**options):
+        options = dict(static=True, max_batch_size=3, max_cache_len=80, tau=1.0, **options)
+        cache = build_cache(model, "loopkv:kivi4-share", **_CODED_OPTIONS, **options)
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)  # the prefill
+        return cache
+
+    def logits(cache, call):
+        return call(input_ids=block, attention_mask=None, use_cache=True, logits_to_keep=GAMMA + 1, cache=cache).logits
+
+    rows = logits(build(), model)  # eager: V precision per row
+    both = logits(build(v_precision_blocks=False), model)
+    assert (rows - both).abs().max() > 1e-4
+    cache = build()
+    cache.reset()
+    _spec(model, "ouro", cache, ids, mask)  # records its drafts and verifications
+    recorded = len(cache._graphs)
+    cache.reset()
+    model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    got = logits(cache, model.get_compiled_call(None))
+    assert len(cache._graphs) == recorded + 1
+    torch.testing.assert_close(got, rows)

@@ -27,6 +27,30 @@ def ring_capacity(window: int, page_size: int, rollback: int) -> int:
     return (window + page_size) * (rollback + 1) + rollback + 1
 
 
+#: With `StaticDenseLayer.read_method = "auto"` (the default), a static dense cell's read on CUDA runs the kernel (to
+#: the device-side length) while the positions the storage holds after the forward are at most this share of it, and
+#: cuDNN's SDPA over the whole storage beyond. One-token reads on an H100 (bf16, replayed in a CUDA graph; Ouro-1.4B's
+#: 16 x 128 and Huginn-0125's 55 x 96 heads, batch 1 and 8, storage of 2,309 and 8,192): the kernel takes 0.17-0.78x
+#: cuDNN's time at a half or less of the storage, 0.83-1.10x at three quarters, 0.96-1.39x when full
+#: (`benchmarks/results/static_read_live_h100_s37.json`); cuDNN's time follows the storage, not the positions held.
+LIVE_READ_SHARE = 2 / 3
+
+
+def dense_read(method: str, length: int, query_length: int, capacity: int, cuda: bool) -> str:
+    """The read a static dense cell of `capacity` positions holding `length` runs for `query_length` new tokens under
+    `read_method` `method`: `"auto"` is `"kernel"` on CUDA while `length + query_length <= LIVE_READ_SHARE *
+    capacity`, else `"sdpa"`; other methods are themselves. A captured step is keyed by it (`LoopCache._step_mode`)."""
+    if method != "auto":
+        return method
+    return "kernel" if cuda and length + query_length <= LIVE_READ_SHARE * capacity else "sdpa"
+
+
+def length_before(read: ReadState, cell: StaticDenseLayer, query_length: int) -> int:
+    """Positions the cache held before the forward (its host length), as `dense_read` takes them: the forward's
+    `ReadState.length`, else the dense cell's own length less the forward's new tokens (written before it reads)."""
+    return read.length if read.length is not None else cell.length - query_length
+
+
 def masked_attention(
     query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, scaling: float
 ) -> torch.Tensor:
@@ -184,11 +208,13 @@ class StaticDenseLayer(_StaticStorage):
     """
 
     is_compileable = True
-    #: how a read over the storage is computed: `"sdpa"` (`scaled_dot_product_attention` with the boolean mask),
-    #: `"kernel"` (`triton_ops.coded_attention` over the buffer as a BF16 history up to the device-side length: reads
-    #: only the live positions) or `"matmul"` (`masked_attention`: two matmuls and an fp32 softmax). With `"sdpa"`,
-    #: a block of several queries on CUDA (a self-speculative verification) takes the kernel
-    read_method = "sdpa"
+    #: how a read over the storage is computed: `"sdpa"` (`scaled_dot_product_attention` with the boolean mask: its
+    #: cost follows the storage), `"kernel"` (`triton_ops.coded_attention` over the buffer as a BF16 history up to the
+    #: device-side length: reads only the positions held), `"matmul"` (`masked_attention`: two matmuls and an fp32
+    #: softmax), or `"auto"` (the default: the kernel on CUDA while the storage is at most `LIVE_READ_SHARE` full,
+    #: `"sdpa"` beyond and on the CPU; `dense_read`). With `"sdpa"`, a block of several queries on CUDA (a
+    #: self-speculative verification) takes the kernel
+    read_method = "auto"
 
     def __init__(self, max_batch_size: int, max_cache_len: int) -> None:
         super().__init__()
@@ -263,14 +289,15 @@ class StaticDenseLayer(_StaticStorage):
                 raise ValueError("a static cell read needs the forward's key validity (`ReadState.static_valid`)")
             mask = static_mask(positions, read.static_valid[: self.rows])
         groups = query.shape[1] // k.shape[1]
-        method = self.read_method
-        if method == "sdpa" and query.shape[2] > 1 and query.is_cuda and k.shape[-1] >= 16:
+        q = query.shape[2]
+        method = dense_read(self.read_method, length_before(read, self, q), q, self.max_positions, query.is_cuda)
+        if method == "sdpa" and q > 1 and query.is_cuda and k.shape[-1] >= 16:
             # a verification block: cuDNN's path for several queries runs one program per (row, head, 64 queries) over
             # the whole storage (H200, Ouro-1.4B's shape, 8K, 5 queries: 176 us per cell at batch 1 against 20 us for
             # one query), the kernel splits the history
             method = "kernel"
         if method == "kernel":  # the stored plane as a BF16 history, read to a device-side length
-            rows, q = query.shape[0], query.shape[2]
+            rows = query.shape[0]
             view = CellView(
                 new_key=key,
                 new_value=value,
