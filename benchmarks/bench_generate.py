@@ -68,7 +68,7 @@ from transformers import LogitsProcessorList
 from benchmarks.common import StepClock, build, peak_gib, reset_peak, write_rows
 from hf_loopcache import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
-from hf_loopcache.cache.layers.static import StaticDenseLayer
+from hf_loopcache.cache.layers.static import StaticDenseLayer, dense_read
 from hf_loopcache.cache.layers.static_coded import StaticCodedSharedLayer
 from triton_ops import fused
 from triton_ops._dispatch import PDL, pdl_options
@@ -184,6 +184,22 @@ def _free_gib(device: str) -> float | None:
     return round(torch.cuda.mem_get_info()[0] / 2**30, 2) if device.startswith("cuda") else None
 
 
+def warmup_length(short: int, prompt_len: int, capacity: int, cuda: bool) -> int:
+    """The prompt of a static cache's short warm-up: the shortest of at least `short` tokens whose decode steps read the
+    storage as the timed run's first step does (`layers.static.dense_read`, monotone in the positions held: under
+    `read_method = "auto"` the kernel while the storage is at most 2/3 full, cuDNN beyond; a captured step is keyed
+    by which), so the timed run replays what the warm-up captured instead of capturing inside it."""
+
+    def read(length: int) -> str:
+        return dense_read(StaticDenseLayer.read_method, length, 1, capacity, cuda)
+
+    low, high = short, prompt_len  # read(high) is the timed run's
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if read(mid) == read(prompt_len) else (mid + 1, high)
+    return low
+
+
 def run_one(
     model,
     shape: str,
@@ -211,7 +227,7 @@ def run_one(
     in the step). `warmup_prompt`: the
     warm-up run of a static cache (ours in `static` / `graph` mode, the `static` peer) and of the quantized peer uses
     the prompt's first `warmup_prompt` tokens (the captured or compiled step depends on the cache's shape, not the
-    prompt's length)."""
+    prompt's length; on CUDA, ours take as many more as the timed steps' dense read needs: `warmup_length`)."""
     vocab = model.config.vocab_size
     prompt_len = context - new_tokens
     pdl = bool(pdl_options(torch.empty(0, device=device))["USE_PDL"]) if not peer else None
@@ -254,6 +270,8 @@ def run_one(
     # length (the quantized peer: its first run only imports and builds the backend)
     static = (not peer and mode != "eager") or (peer and cache_name in ("static", "quantized"))
     short = warmup_prompt if static and warmup_prompt is not None and warmup_prompt < prompt_len else None
+    if short is not None and not peer:
+        short = warmup_length(short, prompt_len, context, device.startswith("cuda"))
 
     def generate(tokens: int, prompt: torch.Tensor = ids, clock: StepClock | None = None) -> tuple[torch.Tensor, Any]:
         kw = dict(gen, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, min_new_tokens=tokens)

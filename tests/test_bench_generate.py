@@ -129,3 +129,16 @@ def test_plot_rows_keep_a_labelled_file_apart(tmp_path):
     assert [r["decode_tokens_per_s"] for r in _rows([str(a), str(b)])] == [2.0]
     got = sorted((r["cache"], r["decode_tokens_per_s"]) for r in _rows([f"{a}=patched", str(b)]))
     assert got == [("ripe64", 2.0), ("ripe64, patched", 1.0)]
+
+
+def test_a_short_warm_up_reads_the_storage_as_the_timed_steps(monkeypatch):
+    """A static cache's short warm-up prompt grows, on CUDA, to the shortest one whose decode steps take the dense read
+    the timed run's first step takes (`dense_read`: a captured step is keyed by it), so no step is captured inside
+    the timed run; elsewhere, or when both already agree, it stays as asked."""
+    from hf_loopcache.cache.layers.static import StaticDenseLayer
+
+    assert bench_generate.warmup_length(320, 8176, 8192, cuda=True) == 5461  # 5,462 held > 2/3 of 8,192: cuDNN
+    assert bench_generate.warmup_length(320, 8176, 8192, cuda=False) == 320  # the CPU reads by SDPA at every length
+    assert bench_generate.warmup_length(320, 4000, 8192, cuda=True) == 320  # both read by the kernel
+    monkeypatch.setattr(StaticDenseLayer, "read_method", "sdpa")
+    assert bench_generate.warmup_length(320, 8176, 8192, cuda=True) == 320
