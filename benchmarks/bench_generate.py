@@ -193,10 +193,11 @@ def warmup_length(short: int, prompt_len: int, capacity: int, cuda: bool) -> int
     def read(length: int) -> str:
         return dense_read(StaticDenseLayer.read_method, length, 1, capacity, cuda)
 
-    low, high = short, prompt_len  # read(high) is the timed run's
+    timed = read(prompt_len)
+    low, high = short, prompt_len
     while low < high:
         mid = (low + high) // 2
-        low, high = (low, mid) if read(mid) == read(prompt_len) else (mid + 1, high)
+        low, high = (low, mid) if read(mid) == timed else (mid + 1, high)
     return low
 
 

@@ -444,13 +444,13 @@ def _speculative_decode(
 
     # the prefill reads as `generate` does; the forwards after it as a self-speculative decode's
     # (`LoopCache.speculating`: LoopKV's verification blocks at both planes unless `VPrecision.blocks` says otherwise)
+    budget = None if max_length is None else max_length - input_ids.shape[1]  # new tokens a row may take
     with cache.speculating():
         while not all(rows.finished):
             start = cache.get_seq_length()
             gamma = block_size
             if max_length is not None:  # a block never needs to reach beyond the longest row's remaining budget
-                prompt = input_ids.shape[1]
-                room = max(max_length - prompt - len(g) for g, f in zip(rows.generated, rows.finished) if not f)
+                room = max(budget - len(g) for g, f in zip(rows.generated, rows.finished) if not f)
                 gamma = max(0, min(gamma, room - 1))
             with _Timer(speculative_stats, "draft_time_s", device):
                 draft_tokens, draft_probs = draft_block(step, rows, last, mask, gamma)

@@ -45,12 +45,6 @@ def dense_read(method: str, length: int, query_length: int, capacity: int, cuda:
     return "kernel" if cuda and length + query_length <= LIVE_READ_SHARE * capacity else "sdpa"
 
 
-def length_before(read: ReadState, cell: StaticDenseLayer, query_length: int) -> int:
-    """Positions the cache held before the forward (its host length), as `dense_read` takes them: the forward's
-    `ReadState.length`, else the dense cell's own length less the forward's new tokens (written before it reads)."""
-    return read.length if read.length is not None else cell.length - query_length
-
-
 def masked_attention(
     query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, scaling: float
 ) -> torch.Tensor:
@@ -278,6 +272,13 @@ class StaticDenseLayer(_StaticStorage):
             return dense_attention(query, key, value, key_valid=read.key_valid, scaling=read.scaling)
         return self.read_storage(query, key, value, read, positions)
 
+    def read_kind(self, read: ReadState, query_length: int, cuda: bool) -> str:
+        """The read `read_storage` runs for `query_length` new tokens: `dense_read` of `read_method` at the positions
+        held before the forward (the forward's host length, `ReadState.length`; else this cell's, less the new tokens
+        it has written before it reads)."""
+        length = read.length if read.length is not None else self.length - query_length
+        return dense_read(self.read_method, length, query_length, self.max_positions, cuda)
+
     def read_storage(self, query, key, value, read, positions):
         """Attention of the forward's queries at `positions` over this cell's storage up to them, the new keys and
         values (`key`, `value`) already written at `positions`: this cell's own read, and that of a shared cell that
@@ -290,7 +291,7 @@ class StaticDenseLayer(_StaticStorage):
             mask = static_mask(positions, read.static_valid[: self.rows])
         groups = query.shape[1] // k.shape[1]
         q = query.shape[2]
-        method = dense_read(self.read_method, length_before(read, self, q), q, self.max_positions, query.is_cuda)
+        method = self.read_kind(read, q, query.is_cuda)
         if method == "sdpa" and q > 1 and query.is_cuda and k.shape[-1] >= 16:
             # a verification block: cuDNN's path for several queries runs one program per (row, head, 64 queries) over
             # the whole storage (H200, Ouro-1.4B's shape, 8K, 5 queries: 176 us per cell at batch 1 against 20 us for

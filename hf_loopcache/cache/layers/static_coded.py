@@ -46,9 +46,7 @@ from hf_loopcache.cache.layers.static import (
     StaticDenseLayer,
     _StaticStorage,
     additive_bias,
-    dense_read,
     effective_storage,
-    length_before,
     ring_capacity,
 )
 from hf_loopcache.cache.plan import window_boundary
@@ -860,7 +858,7 @@ class StaticCodedSharedLayer(_StaticWindowed):
     #: how a one-token step over a BF16 source (RIPE, the deepest plane) reads the history: `"sdpa"` (cuDNN's SDPA over
     #: the source's storage to each row's history end, merged with the kernel's read of the sink, ring and new token:
     #: `coded_attention`'s `prior`; the kernel where cuDNN cannot run it, or where the source's own read would take
-    #: the kernel: `layers.static.dense_read`, which under `"auto"` does while the storage is at most 2/3 full) or
+    #: the kernel: `StaticDenseLayer.read_kind`, which under `"auto"` does while the storage is at most 2/3 full) or
     #: `"kernel"` (all of it in the kernel)
     history_read = "sdpa"
 
@@ -952,14 +950,14 @@ class StaticCodedSharedLayer(_StaticWindowed):
         fixed-shape call, as a dense cell's own read: `fixed_shape_attention_lse`) and the kernel over the rest of
         the view, merged by log-sum-exp. H200, Ouro-1.4B's shape, 8K: cuDNN reads a cell's 8K positions in 20 / 123 us
         at batch 1 / 8, the kernel's BF16 history path in 32 / 172 (README, session 25): a full storage. The kernel
-        where the source's own one-token read would take it (`dense_read`: under `"auto"`, a storage at most 2/3
+        where the source's own one-token read would take it (`read_kind`: under `"auto"`, a storage at most 2/3
         full; the kernel reads only the positions held, cuDNN all of the storage), and otherwise."""
         src = self.source
         if (
             self.history_read == "sdpa"
             and isinstance(src, StaticDenseLayer)
             and query.shape[2] == 1
-            and dense_read(src.read_method, length_before(read, src, 1), 1, src.max_positions, query.is_cuda) != "kernel"
+            and src.read_kind(read, 1, query.is_cuda) != "kernel"
         ):
             k, v = src._views()
             if fixed_shape_attention_takes(query, k):
