@@ -77,6 +77,7 @@ from hf_loopcache import (
     self_speculative_generate,
 )
 from hf_loopcache.fixtures import heldout_documents, load_fixture
+from hf_loopcache.generation import expected_block_tokens, expected_speedup
 from triton_ops._dispatch import fallback_counts
 
 CACHES = {
@@ -127,16 +128,6 @@ FAMILY = {
 }
 
 
-def tau_eq7(alpha: float, gamma: int) -> float:
-    """RIPE Eq. (7): expected tokens per verification at flat acceptance `alpha`."""
-    return float(gamma + 1) if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def speedup_eq8(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """RIPE Eq. (8) with eta = 1: `tau(alpha, gamma) / (gamma c(d)/c(R) + 1)`."""
-    return tau_eq7(alpha, gamma) / (gamma * cost_ratio + 1.0)
-
-
 def _model(shape: str, dtype: torch.dtype, device: str):
     if shape in FIXTURES:
         model, tok = load_fixture(shape, dtype=dtype, device=device)
@@ -182,18 +173,20 @@ def _decode(
     prefill's token (the prefill is done) to the end of the last block, with no sync added per block, so it is the
     decode as it runs without stats. With `phases`, a run before it passes a `SpeculativeStats()` that times the draft
     and verification phases (a sync around each: gives `c` and `v`; its own total is not used). `graph`: on a static
-    cache a run that captures every step comes first (the same prompt and seed, so the same blocks: the sequential
-    way's capture decodes 3 tokens, it only needs the one-token step), and the cache is reset (it keeps storage and
-    graphs) before each later run. Eager runs reset the (growable) cache between runs as well."""
+    cache a run that captures every step comes first (the same prompt and seed, so the same blocks; the whole length
+    both ways: a static dense read changes mode once the storage is 2/3 full, `layers.static.dense_read`, and the
+    step of each mode is its own graph, which a shorter capture run would leave to the timed run), and the cache is
+    reset (it keeps storage and graphs) before each later run. Eager runs reset the (growable) cache between runs as
+    well."""
 
-    def run(stats: SpeculativeStats | None, tokens: int = new_tokens) -> None:
+    def run(stats: SpeculativeStats | None) -> None:
         gen = torch.Generator(device=ids.device).manual_seed(0)
         self_speculative_generate(
             model,
             ids,
             draft_loops=draft,
             block_size=gamma,
-            max_new_tokens=tokens,
+            max_new_tokens=new_tokens,
             cache=cache,
             speculative_stats=stats,
             forced_acceptance=alpha,
@@ -203,7 +196,7 @@ def _decode(
         cache.reset()
 
     if mode == "graph":
-        run(None, new_tokens if phases else min(3, new_tokens))  # captures
+        run(None)  # captures
     phase = None
     if phases:
         phase = SpeculativeStats()
@@ -211,7 +204,10 @@ def _decode(
     if fallbacks is not None:  # the row's forwards have all run once: stop here if one used a reference op
         _refuse_fallbacks(fallbacks)
     timed_stats = SpeculativeStats(phase_timing=False)
+    captured = len(cache.captured_steps()) if mode == "graph" else 0
     run(timed_stats)
+    if mode == "graph" and len(cache.captured_steps()) != captured:
+        raise RuntimeError(f"the timed run captured {len(cache.captured_steps()) - captured} step(s): not a replay")
     return phase, timed_stats
 
 
@@ -326,14 +322,14 @@ def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats
     alpha_hat = spec.acceptance_rate
     n = spec_tokens // batch  # tokens per row after the prefill's
     row_alpha = spec.row_acceptance
-    tau_rows = [tau_eq7(a, gamma) for a in row_alpha]
+    tau_rows = [expected_block_tokens(a, gamma) for a in row_alpha]
     tau_steady = sum(tau_rows) / len(tau_rows)
     tau_batch = batch_tokens_per_verification(row_alpha, gamma, n)
     tau_pooled = batch_tokens_per_verification([alpha_hat] * batch, gamma, n)  # rows i.i.d. (forced acceptance)
     tau_eff = n / max(1, spec.verifications)
     seq_rate, spec_rate = seq_tokens / t_seq, spec_tokens / t_spec
     speedup = spec_rate / seq_rate
-    eq8 = speedup_eq8(alpha_hat, gamma, c)
+    eq8 = expected_speedup(alpha_hat, gamma, c)
     eq8_batch = tau_batch / (gamma * c + 1.0)
     phase_block_s = (phase.draft_time_s + phase.verify_time_s) / max(1, phase.verifications)
     return dict(
@@ -352,7 +348,7 @@ def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats
         row_acceptance=[round(a, 4) for a in row_alpha],
         row_verifications=list(spec.row_verifications_by_row),
         tokens_per_verification=round(spec.tokens_per_verification, 3),
-        tau_eq7=round(tau_eq7(alpha_hat, gamma), 3),
+        tau_eq7=round(expected_block_tokens(alpha_hat, gamma), 3),
         tau_rows_eq7_mean=round(tau_steady, 3),
         tau_batch_predicted=round(tau_batch, 3),
         tau_eff=round(tau_eff, 3),
@@ -367,7 +363,7 @@ def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats
         cost_ratio_layer_passes=round(_passes(model, draft) / _passes(model, model.loop_layout.num_loops), 4),
         sequential_steps_measured=seq.verifications,
         predicted_speedup_eq8=round(eq8, 3),
-        predicted_speedup_eq8_measured_verify=round(tau_eq7(alpha_hat, gamma) / (gamma * c + v), 3),
+        predicted_speedup_eq8_measured_verify=round(expected_block_tokens(alpha_hat, gamma) / (gamma * c + v), 3),
         predicted_speedup_eq8_batch=round(eq8_batch, 3),
         predicted_speedup_eq8_batch_pooled=round(tau_pooled / (gamma * c + 1.0), 3),
         tau_batch_predicted_pooled=round(tau_pooled, 3),
@@ -422,7 +418,7 @@ def measure_acceptance(args) -> None:
                     "acceptance_rate": round(total.acceptance_rate, 4),
                     "acceptance_by_position": [round(a, 4) for a in total.acceptance_by_position],
                     "tokens_per_verification": round(total.tokens_per_verification, 3),
-                    "tau_eq7": round(tau_eq7(total.acceptance_rate, args.block_size), 3),
+                    "tau_eq7": round(expected_block_tokens(total.acceptance_rate, args.block_size), 3),
                     "verifications": total.verifications,
                 }
                 print(row, flush=True)
@@ -652,7 +648,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="overrides of coded attention's ROW1_TUNING for the run (recorded in the header), "
                              "e.g. vprec_lookback=true")  # fmt: skip
     parser.add_argument("--out", default=None)
+    parser.add_argument("--replot", nargs="+", default=None, metavar="JSON",
+                        help="no run: the plot (`--out`.png) and table of these result files together, rows labelled "
+                             "with their block size where the files hold several")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.replot:
+        replot(args.replot, args.out or "selfspec_replot")
+        return
     apply_row1_tuning(args.row1_tuning)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.acceptance_only:
@@ -766,6 +768,66 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def plot_blocks(rows: list[dict[str, Any]], path: Path, gpu: str | None = None) -> None:
+    """Measured speed-up (solid) and Eq. (8) at the row's measured alpha and c (dashed) against the block size, one
+    panel per batch, one line per cache and `--row1-tuning` (`tuning`); of two rows of one line and block size the
+    later one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    batches = sorted({r["batch"] for r in ok})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        series: dict[str, dict[int, dict[str, Any]]] = {}
+        for r in ok:
+            if r["batch"] == batch:
+                series.setdefault(", ".join(t for t in (r["cache"], r.get("tuning")) if t), {})[r["block_size"]] = r
+        lines = sorted((name, [by[g] for g in sorted(by)]) for name, by in series.items())
+        for i, (name, got) in enumerate(lines):
+            gammas = [r["block_size"] for r in got]
+            line = ax.plot(gammas, [r["speedup"] for r in got], marker="o", color=f"C{i}", label=name)[0]
+            ax.plot(gammas, [r["predicted_speedup_eq8"] for r in got], ls="--", color=line.get_color(), lw=0.8)
+        ax.axhline(1.0, color="grey", lw=0.6)
+        ax.set_xticks(sorted({r["block_size"] for r in ok}))
+        ax.set_xlabel("block size gamma (drafts per verification)")
+        ax.set_ylabel("speed-up over sequential decoding")
+        ax.set_title(f"batch {batch} (dashed: Eq. (8) at the row's alpha and c)", fontsize=9)
+        ax.legend(fontsize=7)
+    shapes = ", ".join(sorted({r["shape"] for r in ok}))
+    fig.suptitle(f"Self-speculation by block size, {shapes}" + (f", {gpu}" if gpu else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def replot(paths: list[str], out: str) -> None:
+    """`--replot`: the rows of committed result files in one plot (`RESULTS/<out>.png`, the files' GPUs in its title:
+    `plot_blocks` where they hold several block sizes, else `plot`) and one table, each row labelled with its block
+    size where there are several and with its file's `--row1-tuning` overrides."""
+    rows: list[dict[str, Any]] = []
+    gpus: set[str] = set()
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        env = data.get("environment", {})
+        tuned = ", ".join(f"{k}={v}" for k, v in (env.get("row1_tuning") or {}).items())
+        rows += [{**r, "tuning": tuned} for r in data["rows"]]
+        gpus.add(env.get("gpu_name") or "")
+    several = len({r.get("block_size") for r in rows if r.get("status") == "ok"}) > 1
+    png, gpu = RESULTS / f"{out}.png", ", ".join(sorted(g for g in gpus if g)) or None
+    if several:
+        plot_blocks(rows, png, gpu)
+    for r in rows:
+        parts = [f"gamma {r['block_size']}" if several and r.get("status") == "ok" else "", r.pop("tuning")]
+        if any(parts):
+            r["label"] = ", ".join(p for p in parts if p)
+    if not several:
+        plot(rows, png, gpu)
+    print("wrote", png)
+    print(summary(rows))
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
     """The README's table (Markdown): per row alpha, the measured cost ratios, Eq. (8) and the measured speed-up
     with its share of Eq. (8); skipped rows with their note."""
@@ -785,8 +847,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
             continue
         rows_alpha = r.get("row_acceptance", [])
         spread = f" ({min(rows_alpha):.2f}-{max(rows_alpha):.2f})" if len(rows_alpha) > 1 else ""
+        cache = f"{r['cache']}, {r['label']}" if r.get("label") else r["cache"]
         lines.append(
-            f"| {r['shape']} | {r.get('mode', 'eager')} | {r['cache']} | {r['batch']} | {r['acceptance_rate']:.3f}"
+            f"| {r['shape']} | {r.get('mode', 'eager')} | {cache} | {r['batch']} | {r['acceptance_rate']:.3f}"
             f"{spread} | {r['cost_ratio_draft']:.3f} | {r['cost_ratio_verify']:.2f} | {r['predicted_speedup_eq8']:.2f}x | "
             f"{r['predicted_speedup_eq8_batch']:.2f}x | {r['speedup']:.2f}x ({r['speedup_over_eq8']:.2f} / "
             f"{r['speedup_over_eq8_batch']:.2f}) | {r['sequential_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} |"

@@ -73,7 +73,7 @@ def test_profile_selfspec_on_the_cpu(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--alpha"):
         profile_selfspec.main(["--shape", "micro-ouro", "--alpha", "1.5", "--device", "cpu"])
     with pytest.raises(ValueError, match="no measured acceptance.*--alpha"):
-        profile_selfspec.main(["--shape", "micro-ouro", "--block-size", "3", "--device", "cpu",
+        profile_selfspec.main(["--shape", "micro-ouro", "--block-size", "5", "--device", "cpu",
                                "--acceptance-file", acceptance])  # fmt: skip
 
 

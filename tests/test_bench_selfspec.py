@@ -7,6 +7,7 @@ import json
 
 from benchmarks import bench_selfspec as bench
 from benchmarks import common
+from hf_loopcache.generation import expected_block_tokens
 
 
 def test_graph_mode_runs_both_ways_over_static_caches(tmp_path, monkeypatch):
@@ -53,7 +54,7 @@ def test_batch_tokens_per_verification_is_n_over_the_expected_slowest_row():
     assert bench.batch_tokens_per_verification([1.0], gamma, 20) == 20 / 4  # ceil(20 / 5) verifications
     assert bench.batch_tokens_per_verification([0.0] * 8, gamma, 20) == 1.0
     long_run = bench.batch_tokens_per_verification([0.7], gamma, 400)
-    assert abs(long_run - bench.tau_eq7(0.7, gamma)) < 0.01 * long_run
+    assert abs(long_run - expected_block_tokens(0.7, gamma)) < 0.01 * long_run
     one, eight = (bench.batch_tokens_per_verification([0.7] * b, gamma, 30) for b in (1, 8))
     assert eight < 0.9 * one
     rng = random.Random(0)
@@ -195,3 +196,31 @@ def test_row1_tuning_overrides_are_applied_and_recorded(monkeypatch):
     assert common.environment()["row1_tuning"] == got
     with pytest.raises(SystemExit, match=r"--row1-tuning takes KEY=VALUE with KEY one of \[.*'vprec_lookback'"):
         common.apply_row1_tuning(["lookback=1"])
+
+
+def test_replot_joins_result_files_by_block_size(tmp_path, monkeypatch, capsys):
+    """`--replot`: the rows of several result files in one table, labelled with their block size where the files
+    hold several and with a file's `--row1-tuning`, and one plot of speed-up against the block size."""
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+
+    def row(cache, gamma, speedup):
+        return {
+            "shape": "ouro-1.4b", "mode": "graph", "cache": cache, "batch": 8, "status": "ok", "block_size": gamma,
+            "acceptance_rate": 0.8, "row_acceptance": [0.7, 0.9], "cost_ratio_draft": 0.5, "cost_ratio_verify": 1.0,
+            "predicted_speedup_eq8": 1.2, "predicted_speedup_eq8_batch": 1.1, "speedup": speedup,
+            "speedup_over_eq8": round(speedup / 1.2, 3), "speedup_over_eq8_batch": round(speedup / 1.1, 3),
+            "sequential_tokens_per_s": 800.0, "speculative_tokens_per_s": 800.0 * speedup,
+        }  # fmt: skip
+
+    files = []
+    for name, env, rows in (
+        ("a", {"gpu_name": "GPU X"}, [row("full", 2, 1.13), row("full", 4, 1.06)]),
+        ("b", {"gpu_name": "GPU X", "row1_tuning": {"mma_rows_min": 3}}, [row("loopkv-kivi4-share", 2, 1.11)]),
+    ):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps({"environment": env, "rows": rows}))
+    bench.main(["--replot", *map(str, files), "--out", "joined"])
+    table = capsys.readouterr().out
+    assert "| full, gamma 2 | 8 |" in table and "| full, gamma 4 | 8 |" in table
+    assert "| loopkv-kivi4-share, gamma 2, mma_rows_min=3 | 8 |" in table and "1.13x (0.94 / 1.03)" in table
+    assert (tmp_path / "joined.png").stat().st_size > 0

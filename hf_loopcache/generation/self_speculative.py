@@ -117,6 +117,15 @@ class SpeculativeStats:
         """Pooled conditional acceptance `alpha` (accepted over tested draft tokens)."""
         return sum(self.accepted) / max(1, sum(self.reached))
 
+    @property
+    def draft_cost_ratio(self) -> float:
+        """A draft forward's time over a verification's, `(draft_time_s / draft_forwards) / (verify_time_s /
+        verifications)` (nan without phase timing, drafts or verifications): the `cost_ratio` that, with
+        `acceptance_rate`, `generation.best_block_size` takes (a verification in place of a sequential step)."""
+        if not (self.draft_forwards and self.verifications and self.draft_time_s > 0 and self.verify_time_s > 0):
+            return float("nan")
+        return (self.draft_time_s / self.draft_forwards) / (self.verify_time_s / self.verifications)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "verifications": self.verifications,
@@ -126,6 +135,7 @@ class SpeculativeStats:
             "tokens_per_verification": self.tokens_per_verification,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
+            "draft_cost_ratio": self.draft_cost_ratio,
             "reached": list(self.reached),
             "accepted": list(self.accepted),
             "draft_time_s": self.draft_time_s,

@@ -591,10 +591,12 @@ def test_shared_cells_read_a_bf16_source_through_cudnn_cuda(arch, kind, monkeypa
     the sink, ring and new token by `coded_attention`'s `prior`; `deepest-whole`: the deepest plane's one-token steps
     read by the source's own read instead, `whole_source`, and never that merge): against the same cache in fp32
     (the kernel path), its logits err at most twice as much as the all-kernel path's in bf16, over a left-padded
-    batch and a window that moves; and `generate`'s captured steps take that path and give its eager tokens."""
-    from hf_loopcache.cache.layers import StaticCodedSharedLayer, static_coded
+    batch and a window that moves; and `generate`'s captured steps take that path and give its eager tokens. The
+    source reads by cuDNN (`read_method = "sdpa"`): under `"auto"` these 33 of 64 positions are the kernel's (below)."""
+    from hf_loopcache.cache.layers import StaticCodedSharedLayer, StaticDenseLayer, static_coded
 
     monkeypatch.setattr(StaticCodedSharedLayer, "whole_source", kind == "deepest-whole")
+    monkeypatch.setattr(StaticDenseLayer, "read_method", "sdpa")
     merged = kind != "deepest-whole"
 
     model = _wide_cuda_model(arch)
@@ -628,3 +630,7 @@ def test_shared_cells_read_a_bf16_source_through_cudnn_cuda(arch, kind, monkeypa
     captured = _generate(model, arch, ids, mask, cache, new=12)
     assert cache.captured_steps() and bool(calls) == merged
     assert torch.equal(captured, eager)
+    monkeypatch.setattr(StaticDenseLayer, "read_method", "auto")  # a storage at most 2/3 full: the kernel, no merge
+    calls.clear()
+    _teacher_forced_logits(model, arch, make(), ids, mask, tokens)
+    assert not calls

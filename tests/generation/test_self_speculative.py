@@ -4,6 +4,8 @@ math says so (full cache; RIPE with W >= gamma), per row of a left-padded batch 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
@@ -323,3 +325,23 @@ def test_timed_phases_are_profiler_ranges():
     }
     assert stats.verifications >= 2
     assert ranges(None) == {} and ranges(SpeculativeStats(phase_timing=False)) == {}
+
+
+def test_draft_cost_ratio_feeds_best_block_size():
+    """`SpeculativeStats.draft_cost_ratio` is a draft forward's mean time over a verification's (nan without phase
+    timing); with `acceptance_rate` it is what `best_block_size` takes."""
+    from hf_loopcache.generation import best_block_size
+
+    stats = SpeculativeStats(verifications=10, draft_forwards=40, draft_time_s=2.0, verify_time_s=1.0)
+    assert stats.draft_cost_ratio == pytest.approx((2.0 / 40) / (1.0 / 10))
+    assert stats.to_dict()["draft_cost_ratio"] == stats.draft_cost_ratio
+    assert math.isnan(SpeculativeStats(verifications=3, draft_forwards=6).draft_cost_ratio)  # no phase timing
+    model = make_model("ouro")
+    run = SpeculativeStats()
+    self_speculative_generate(model, torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]]), draft_loops=1, block_size=2,
+                              max_new_tokens=9, speculative_stats=run)  # fmt: skip
+    assert run.draft_cost_ratio > 0 and 1 <= best_block_size(run.acceptance_rate, run.draft_cost_ratio) <= 16
+    timed_off = SpeculativeStats(phase_timing=False)
+    self_speculative_generate(model, torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]]), draft_loops=1, block_size=2,
+                              max_new_tokens=9, speculative_stats=timed_off)  # fmt: skip
+    assert math.isnan(timed_off.draft_cost_ratio)

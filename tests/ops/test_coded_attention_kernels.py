@@ -409,7 +409,7 @@ VERIFY_CASES = [
     Case(hist=100, Q=2, Hq=2, Hkv=2, D=64, spread=40, splits=1, lean=0.3),
 ]
 VERIFY_SETTINGS = {
-    # `mma_rows_min` 0: blocks of 4 rows and more take v8 by default
+    # `mma_rows_min` 0: blocks of 3 rows and more take v8 by default
     "v7": {"rows_max": 16, "mma_rows_min": 0},  # short splits: the half-page steps at one warp (v6) where allowed
     "v7-v4": {"rows_max": 16, "sub_auto_pages": 0, "mma_rows_min": 0},  # v4's loop (one page per step, prefetched)
 }
@@ -473,22 +473,24 @@ def test_verification_blocks_keep_the_general_path(case, tune, launches):
 @pytest.mark.parametrize(
     "case, path",
     [
-        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "v7"),  # 3 rows per KV head
+        (Case(hist=64, Q=2, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "v7"),  # 2 rows per KV head
+        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "v8"),  # 3 rows
         (Case(hist=64, Q=2, Hq=4, Hkv=2, D=64, vprec=False, splits=2), "v8"),  # GQA 2 x 2 tokens: 4 rows
         (Case(hist=64, Q=5, Hq=2, Hkv=2, D=64, splits=2), "v8"),  # V precision: v8 too (v9, `mma_vprec`)
-        (Case(hist=64, Q=3, Hq=2, Hkv=2, D=64, splits=2), "v7"),  # V precision, 3 rows: v7
+        (Case(hist=64, Q=2, Hq=2, Hkv=2, D=64, splits=2), "v7"),  # V precision, 2 rows: v7
         (Case(hist=64, Q=1, Hq=2, Hkv=2, D=64, vprec=False, splits=2), "decode"),
     ],
-    ids=["3-rows", "4-rows", "vprec", "vprec-3-rows", "decode"],
+    ids=["2-rows", "3-rows", "4-rows", "vprec", "vprec-2-rows", "decode"],
 )
 def test_default_paths_by_rows(case, path, launches):
-    """The session-15 H200 sweeps set the defaults (`ROW1_TUNING`): a block of 2-3 rows per KV head takes v7
-    (`rows_max` 16; 2 tokens at 8K x 8 in 187 against the general path's 502 us), of 4 rows or more v8 at one warp
-    (`mma_rows_min` 4; 5 tokens in 272 against v7's 413), with V precision too (v9, `mma_vprec`; session 16),
-    decode v4 / v6. V precision across splits runs v8's page-maxima pass first (two launches, both v8)."""
+    """The H200 / H100 runs set the defaults (`ROW1_TUNING`): a block of 2 rows per KV head takes v7 (`rows_max` 16;
+    2 tokens at 8K x 8 in 187 against the general path's 502 us), of 3 rows or more v8 at one warp (`mma_rows_min`
+    3; 5 tokens in 272 against v7's 413, session 15; 3-token blocks of LoopKV's self-speculation at batch 8 cost 1.01
+    sequential steps against v7's 1.20, session 38), with V precision too (v9, `mma_vprec`; session 16), decode v4 /
+    v6. V precision across splits runs v8's page-maxima pass first (two launches, both v8)."""
     from triton_ops.coded_attention import ops
 
-    assert ops.ROW1_TUNING["rows_max"] == 16 and ops.ROW1_TUNING["mma_rows_min"] == 4
+    assert ops.ROW1_TUNING["rows_max"] == 16 and ops.ROW1_TUNING["mma_rows_min"] == 3
     assert ops.ROW1_TUNING["mma_vprec"] is True
     _check(case, torch.float32)
     rowx, row1, _, _, mma, warps = launches[-1]

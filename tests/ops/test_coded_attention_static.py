@@ -183,7 +183,7 @@ def test_kernel_with_device_lengths_matches_reference(case, tail, launches):
 
 @needs_kernel
 def test_static_block_of_four_rows_takes_v8(launches):
-    """v8 (`ROW1_TUNING["mma_rows_min"]` 4) reads a static view too: GQA 2 x 2 new tokens (4 rows per KV head) over
+    """v8 (`ROW1_TUNING["mma_rows_min"]` 3) reads a static view too: GQA 2 x 2 new tokens (4 rows per KV head) over
     INT2 codes with the length on the device and a ring window, against the reference on the same codes."""
     from triton_ops.coded_attention.ops import _coded_attention_fwd
 

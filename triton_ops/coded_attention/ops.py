@@ -40,7 +40,7 @@ earlier splits' page maxima, the partial and its merge): fitted to session 34's 
 ROW1_TUNING = {
     "enabled": True, "pages": 1, "num_warps": 2, "num_stages": 1, "programs_per_sm": 8, "words": True,
     "vprec": "scores", "vprec_fill": 4, "vprec_unroll": False, "sub": 1, "sub_stages": 0, "maxnreg": None,
-    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 4, "mma_vprec": True, "mma_stages": 1,
+    "sub_auto_pages": 16, "rows_max": 16, "mma": False, "mma_rows_min": 3, "mma_vprec": True, "mma_stages": 1,
     "mma_warps": 1, "mma_programs_per_sm": 8, "vprec_lookback": False, "vprec_optimistic": True, "mma_one_wave": True,
     "row1_one_wave": False, "vprec_waves": 6, "mma_lo_ahead": False,
 }  # fmt: skip
@@ -78,12 +78,15 @@ KV head (a verification block) runs the word loop once per (split, row) instead 
 v8 (session 15): coded history of 1..16 query rows per KV head (decode, GQA, verification blocks) without V
 precision read on tensor cores (`kernels._codes_history_mma`: one page per step, `tl.dot` over code words dequantized
 to fp16 in registers); it replaces v4 / v7 and the general path for those calls. `mma_rows_min` (0..16; 0: off;
-default 4) takes it, at one warp per program, for every call of at least that many rows per KV head; `mma` takes it
+default 3) takes it, at one warp per program, for every call of at least that many rows per KV head; `mma` takes it
 at any row count with this dict's `num_warps` / `num_stages`. H200 (bf16, graph replay, L2 flushed;
 `benchmarks/results/coded_attention_h200_v8_q5.json`, `_q1.json`): a 5-token INT4 block at 8K x 1 / 8 / 16 in 38.8 /
 271.5 / 479.3 us at one warp, against v7's 78.5 / 413.1 / 803.8 (32K: 95.6 / 971.1 / 1736.2 against 234.1 / 1575.8 /
 3147.8); v7's 2-token block (30.5 / 187.1 / 361.7 us) is faster than v8's cost, which hardly depends on the rows,
-hence 4; decode (one row) 32.5 / 267.5 / 472.8 us against v4 / v6's 22.1 / 117.7 / 197.1, so decode keeps those.
+hence 4 until session 38: LoopKV's 3-token verification blocks (self-speculation at gamma 2, Ouro-1.4B's shape,
+1,024-1,280 cached, static, batch 8, H100) cost 1.01 sequential steps on v8 against 1.20 on v7
+(`benchmarks/results/selfspec_h100_graph_s38_loopkv_mma3.json`), so 3; decode (one row) 32.5 / 267.5 / 472.8 us
+against v4 / v6's 22.1 / 117.7 / 197.1, so decode keeps those.
 Offline sm_90 SASS: 5.5 instructions per code element at 2 warps (v4: 4.4), 1.1 per element per row for a 5-row
 block (the general path 3.2; `benchmarks/notes_coded_attention.md`, v8).
 
