@@ -28,7 +28,13 @@ from typing import Any
 from hf_loopcache._hub import looks_like_local_path
 from hf_loopcache.cache.base import LoopCache, resolve_layout
 from hf_loopcache.cache.plan import LOOPKV_PRESETS, PLAN_FILE, CachePlan, loopkv_preset
-from hf_loopcache.cache.presets import DeepestPlaneCache, FullLoopCache, LoopKVCache, RIPECache
+from hf_loopcache.cache.presets import (
+    DeepestPlaneCache,
+    FullLoopCache,
+    LoopKVCache,
+    RIPECache,
+    check_v_precision_blocks,
+)
 
 __all__ = ["CACHE_OPTIONS", "CACHE_SPECS", "build_cache", "cache_options"]
 
@@ -134,8 +140,7 @@ def build_cache(
         raise ValueError(f"`tau` must be a number of bits or None (V precision off), got {tau!r}")
     tau = None if tau is None else float(tau)
     blocks = options.pop("v_precision_blocks", None)
-    if blocks is not None and not isinstance(blocks, bool):
-        raise ValueError(f"`v_precision_blocks` must be True, False or None, got {blocks!r}")
+    check_v_precision_blocks(blocks)
     static_options = dict(static=static, max_batch_size=max_batch_size, max_cache_len=max_cache_len)
     if kind == "full":
         return FullLoopCache(model, **options, **static_options)

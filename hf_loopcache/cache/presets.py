@@ -12,6 +12,13 @@ from hf_loopcache.cache.plan import LOOPKV_PRESETS, CachePlan, loopkv_preset
 __all__ = ["DeepestPlaneCache", "FullLoopCache", "LoopKVCache", "RIPECache"]
 
 
+def check_v_precision_blocks(value: object) -> None:
+    """`LoopKVCache`'s `v_precision_blocks` must be True, False or None (`build_cache` checks it before it fetches a
+    plan)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"`v_precision_blocks` must be True, False or None, got {value!r}")
+
+
 class FullLoopCache(LoopCache):
     """Every loop's keys and values at full precision: the BF16 per-loop baseline (RIPE Eq. 3, `M_full`).
 
@@ -168,8 +175,7 @@ class LoopKVCache(LoopCache):
             raise TypeError(
                 f"`plan` must be a CachePlan, one of {LOOPKV_PRESETS}, or a plan folder; got {type(plan).__name__}"
             )
-        if v_precision_blocks is not None and not isinstance(v_precision_blocks, bool):
-            raise ValueError(f"`v_precision_blocks` must be True, False or None, got {v_precision_blocks!r}")
+        check_v_precision_blocks(v_precision_blocks)
         v_precision = None if tau is None else VPrecision(tau=tau, page_size=plan.page_size, blocks=v_precision_blocks)
         super().__init__(
             model_or_layout,
