@@ -77,7 +77,7 @@ from hf_loopcache import (
     self_speculative_generate,
 )
 from hf_loopcache.fixtures import heldout_documents, load_fixture
-from hf_loopcache.generation import expected_block_tokens, expected_speedup
+from hf_loopcache.generation import best_block_size, expected_block_tokens, expected_speedup, layer_cost_ratio
 from triton_ops._dispatch import fallback_counts
 
 CACHES = {
@@ -165,7 +165,7 @@ def _refuse_fallbacks(before: dict[str, int]) -> None:
 
 
 def _decode(
-    model, ids, cache, *, draft, gamma, new_tokens, alpha, kwargs, mode="eager", phases=True, fallbacks=None
+    model, ids, cache, *, draft, gamma, new_tokens, alpha, kwargs, mode="eager", phases=True, fallbacks=None, auto=False
 ) -> tuple[SpeculativeStats | None, SpeculativeStats]:
     """Decode `ids` and return `(phase stats, timed stats)`.
 
@@ -177,7 +177,9 @@ def _decode(
     both ways: a static dense read changes mode once the storage is 2/3 full, `layers.static.dense_read`, and the
     step of each mode is its own graph, which a shorter capture run would leave to the timed run), and the cache is
     reset (it keeps storage and graphs) before each later run. Eager runs reset the (growable) cache between runs as
-    well."""
+    well. `auto`: `block_size="auto"` with `gamma` the largest block (its choices follow the accepted lengths, which
+    the seed fixes, so every run takes the same blocks and the capture run records each block length)."""
+    blocks = dict(block_size="auto", max_block_size=gamma) if auto else dict(block_size=gamma)
 
     def run(stats: SpeculativeStats | None) -> None:
         gen = torch.Generator(device=ids.device).manual_seed(0)
@@ -185,7 +187,7 @@ def _decode(
             model,
             ids,
             draft_loops=draft,
-            block_size=gamma,
+            **blocks,
             max_new_tokens=new_tokens,
             cache=cache,
             speculative_stats=stats,
@@ -272,6 +274,8 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
         "block_size": gamma,
         "acceptance": "real" if alpha is None else f"forced at {alpha:.4f}",
     }
+    if args.auto_block:
+        row["block_rule"] = "auto"
     try:
         make()  # a plan this shape cannot take raises here
     except ValueError as err:  # e.g. a coded plan whose group size does not divide this shape's head dim
@@ -292,7 +296,7 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
         spec_cache = make()
         phase, spec = _decode(
             model, ids, spec_cache, draft=draft, gamma=gamma, new_tokens=new, alpha=alpha, kwargs=kwargs,
-            mode=args.mode, fallbacks=before,
+            mode=args.mode, fallbacks=before, auto=args.auto_block,
         )
         if args.mode == "graph":
             captured += spec_cache.captured_steps()
@@ -305,13 +309,18 @@ def run_row(model, shape, cache_name, batch, ids, args, alpha) -> dict[str, Any]
     except FellBack:  # `main` records the messages (`mark_fallbacks`)
         row.update(status="fallback (not timed: a reference op ran where the kernel was meant to)")
         return row
-    row.update(_accounting(model, seq, phase, spec, gamma, draft, batch))
+    row.update(_accounting(model, seq, phase, spec, gamma, draft, batch, auto=args.auto_block))
     row.update(peak_memory_gib_sequential=seq_peak, peak_memory_gib_speculative=peak_gib(device))
     return row
 
 
-def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats, gamma: int, draft: int, batch: int):
-    """A row's numbers from the sequential run's and the speculative runs' stats (see the module docstring)."""
+def _accounting(
+    model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats, gamma: int, draft: int, batch: int, auto=False
+):
+    """A row's numbers from the sequential run's and the speculative runs' stats (see the module docstring). With
+    `auto` (`block_size="auto"` up to `gamma`) the predictions are Eq. (8)'s at its best block for the measured
+    alpha and c (`gamma_eq8_best`: what the best fixed block would gain), and the accounting's drafts per block are
+    the measured mean."""
     seq_tokens = sum(seq.row_tokens) - batch  # committed after the prefill's token, all rows
     spec_tokens = sum(spec.row_tokens) - batch
     t_seq, t_spec = seq.decode_time_s, spec.decode_time_s
@@ -320,6 +329,8 @@ def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats
     t_verify = phase.verify_time_s / max(1, phase.verifications)
     c, v = t_draft / t_step, t_verify / t_step
     alpha_hat = spec.acceptance_rate
+    largest, gamma = gamma, (best_block_size(alpha_hat, c, gamma) if auto else gamma)
+    drafts = spec.draft_forwards / max(1, spec.verifications) if auto else gamma  # per block
     n = spec_tokens // batch  # tokens per row after the prefill's
     row_alpha = spec.row_acceptance
     tau_rows = [expected_block_tokens(a, gamma) for a in row_alpha]
@@ -360,23 +371,22 @@ def _accounting(model, seq: SpeculativeStats, phase: Any, spec: SpeculativeStats
         ms_block_phases=round(1000 * phase_block_s, 3),
         cost_ratio_draft=round(c, 4),
         cost_ratio_verify=round(v, 4),
-        cost_ratio_layer_passes=round(_passes(model, draft) / _passes(model, model.loop_layout.num_loops), 4),
+        cost_ratio_layer_passes=round(layer_cost_ratio(model.loop_layout, draft), 4),
         sequential_steps_measured=seq.verifications,
         predicted_speedup_eq8=round(eq8, 3),
         predicted_speedup_eq8_measured_verify=round(expected_block_tokens(alpha_hat, gamma) / (gamma * c + v), 3),
         predicted_speedup_eq8_batch=round(eq8_batch, 3),
         predicted_speedup_eq8_batch_pooled=round(tau_pooled / (gamma * c + 1.0), 3),
         tau_batch_predicted_pooled=round(tau_pooled, 3),
-        predicted_speedup_accounting=round(tau_eff / (gamma * c + v), 3),
+        predicted_speedup_accounting=round(tau_eff / (drafts * c + v), 3),
         speedup_over_eq8=round(speedup / eq8, 3),
         speedup_over_eq8_batch=round(speedup / eq8_batch, 3),
+        **(
+            dict(gamma_eq8_best=gamma, max_block_size=largest, block_sizes=dict(sorted(spec.block_sizes.items())))
+            if auto
+            else {}
+        ),
     )
-
-
-def _passes(model, loops: int) -> int:
-    """RIPE's c(d) = n_pre + d n_core + n_coda, in layer passes."""
-    layout = model.loop_layout
-    return layout.n_prelude + loops * layout.n_core + layout.n_coda
 
 
 def measure_acceptance(args) -> None:
@@ -620,6 +630,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per row")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per row, both ways (timed directly)")
     parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--auto-block", action="store_true",
+                        help="self-speculate with block_size='auto' up to --block-size (each row's predictions at "
+                             "Eq. 8's best block for its measured alpha and c)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=8, help="--acceptance-only: held-out prompts per fixture")
     parser.add_argument("--extra-draft-loops", nargs="*", type=int, default=[], help="--acceptance-only: more d")
     parser.add_argument(
@@ -848,6 +861,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
         rows_alpha = r.get("row_acceptance", [])
         spread = f" ({min(rows_alpha):.2f}-{max(rows_alpha):.2f})" if len(rows_alpha) > 1 else ""
         cache = f"{r['cache']}, {r['label']}" if r.get("label") else r["cache"]
+        if r.get("block_rule") == "auto":
+            took = ", ".join(f"{g}: {n}" for g, n in r["block_sizes"].items())
+            cache += f", auto up to {r['max_block_size']} (blocks {took}; Eq. 8's best {r['gamma_eq8_best']})"
         lines.append(
             f"| {r['shape']} | {r.get('mode', 'eager')} | {cache} | {r['batch']} | {r['acceptance_rate']:.3f}"
             f"{spread} | {r['cost_ratio_draft']:.3f} | {r['cost_ratio_verify']:.2f} | {r['predicted_speedup_eq8']:.2f}x | "

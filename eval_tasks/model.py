@@ -13,6 +13,7 @@ that is neither an HFLM argument nor a field of the model's config is refused):
 | `window`, `sink`, `tau`, `page_size`, `group_size`, `max_rollback`, `plan_revision` | the spec's options (`cache=ripe,window=64`; `v_precision_blocks`: True or left out, not False) |
 | `num_loops`              | loops of every forward (Ouro `num_loops`, Huginn `num_steps`) and of the cache           |
 | `draft_loops`, `block_size` | self-speculative decoding (`hf_loopcache.self_speculative`) for `generate_until`       |
+| `max_block_size`         | with `block_size=auto` (each block at RIPE Eq. 8's best for the acceptance seen): the largest |
 | `max_gen_toks`           | new tokens for tasks that set none (default 1024; HFLM's 256 cuts GSM8K / MATH reasoning) |
 | `allow_short_generation` | let GSM8K / MATH tasks generate fewer than 512 new tokens                               |
 
@@ -46,7 +47,15 @@ from hf_loopcache.fixtures import FIXTURES, fixture_path, tokenizer_folder
 
 __all__ = ["LoopCacheLM"]
 
-OWN_ARGS = ("cache", "num_loops", "draft_loops", "block_size", "max_gen_toks", "allow_short_generation")
+OWN_ARGS = (
+    "cache",
+    "num_loops",
+    "draft_loops",
+    "block_size",
+    "max_block_size",
+    "max_gen_toks",
+    "allow_short_generation",
+)
 DEFAULT_MAX_GEN_TOKS = 1024
 _HFLM_ARGS = frozenset(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs"}
 
@@ -83,10 +92,13 @@ class LoopCacheLM(HFLM):
             )
         draft_loops = kwargs.pop("draft_loops", None)
         block_size = kwargs.pop("block_size", None)
+        max_block_size = kwargs.pop("max_block_size", None)
         self._default_max_gen_toks = _positive_int("max_gen_toks", kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         self.allow_short_generation = bool(kwargs.pop("allow_short_generation", False))
         self.num_loops = None if num_loops is None else _positive_int("num_loops", num_loops)
         self.speculative: dict[str, Any] = {}
+        if max_block_size is not None and block_size != "auto":
+            raise ValueError(f"model_args `max_block_size` needs `block_size=auto`, got block_size={block_size!r}")
         if draft_loops is not None or block_size is not None:
             strategy = getattr(hf_loopcache, "self_speculative", None)
             if strategy is None:
@@ -97,8 +109,14 @@ class LoopCacheLM(HFLM):
             self.speculative = {"custom_generate": strategy}
             if draft_loops is not None:
                 self.speculative["draft_loops"] = _positive_int("draft_loops", draft_loops)
-            if block_size is not None:
-                self.speculative["block_size"] = _positive_int("block_size", block_size)
+            if block_size == "auto":
+                self.speculative["block_size"] = "auto"
+                if max_block_size is not None:
+                    self.speculative["max_block_size"] = _positive_int("max_block_size", max_block_size)
+            elif block_size is not None:
+                if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+                    raise ValueError(f"model_args `block_size` must be a positive int or auto, got {block_size!r}")
+                self.speculative["block_size"] = block_size
         allowed = cache_options(self.cache_spec)  # checks the spec's grammar before any weights load
         if "num_loops" in allowed and self.num_loops is not None:
             self.cache_options.setdefault("num_loops", self.num_loops)

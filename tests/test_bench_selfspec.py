@@ -224,3 +224,29 @@ def test_replot_joins_result_files_by_block_size(tmp_path, monkeypatch, capsys):
     assert "| full, gamma 2 | 8 |" in table and "| full, gamma 4 | 8 |" in table
     assert "| loopkv-kivi4-share, gamma 2, mma_rows_min=3 | 8 |" in table and "1.13x (0.94 / 1.03)" in table
     assert (tmp_path / "joined.png").stat().st_size > 0
+
+
+def test_auto_block_rows_predict_at_eq8s_best_block(tmp_path, monkeypatch, capsys):
+    """`--auto-block`: self-speculation with `block_size="auto"` up to `--block-size`, through the captured steps
+    (the capture run records every block length the timed run takes); the row's Eq. (8) is at its best block for the
+    measured alpha and c, and the table names the blocks taken."""
+    from hf_loopcache.generation import best_block_size, expected_speedup
+
+    acceptance = str(common.RESULTS / "selfspec_acceptance.json")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    bench.main(
+        [
+            "--shapes", "micro-ouro", "--caches", "full", "--batches", "2", "--prompt", "32", "--new-tokens", "12",
+            "--mode", "graph", "--device", "cpu", "--out", "auto", "--acceptance-file", acceptance,
+            "--auto-block", "--block-size", "4",
+        ]
+    )  # fmt: skip
+    row = next(r for r in json.loads((tmp_path / "auto.json").read_text())["rows"] if r.get("status") == "ok")
+    assert row["block_rule"] == "auto" and row["max_block_size"] == 4
+    assert sum(row["block_sizes"].values()) == row["verifications"] and max(map(int, row["block_sizes"])) <= 4
+    best = best_block_size(row["acceptance_rate"], row["cost_ratio_draft"], 4)
+    assert row["gamma_eq8_best"] == best
+    expected = expected_speedup(row["acceptance_rate"], best, row["cost_ratio_draft"])
+    assert abs(row["predicted_speedup_eq8"] - expected) < 0.01
+    assert "auto up to 4 (blocks " in capsys.readouterr().out

@@ -45,6 +45,7 @@ from transformers.utils import logging
 
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
 from hf_loopcache.generation.acceptance import greedy_accept, sample_from_uniform, speculative_accept
+from hf_loopcache.generation.speedup import AdaptiveBlockSize, layer_cost_ratio
 
 logger = logging.get_logger(__name__)
 
@@ -77,6 +78,8 @@ class SpeculativeStats:
         row_verifications / row_accepted (`list[int]`): per row, verifications it took part in while generating and
             draft tokens it accepted; `row_reached` draft tokens it tested (`row_accepted / row_reached` is the
             row's acceptance; rows of a batch decode independently, so they accept different lengths).
+        block_sizes (`dict[int, int]`): verifications per block size (`block_size="auto"` varies it; the last
+            blocks of a call are shortened to the longest row's remaining budget).
         phase_timing (`bool`, defaults to True): time the phases (a sync around each); False times `decode_time_s`
             only.
     """
@@ -96,6 +99,7 @@ class SpeculativeStats:
     row_verifications_by_row: list[int] = field(default_factory=list)
     row_accepted: list[int] = field(default_factory=list)
     row_reached: list[int] = field(default_factory=list)
+    block_sizes: dict[int, int] = field(default_factory=dict)
 
     @property
     def row_acceptance(self) -> list[float]:
@@ -147,6 +151,7 @@ class SpeculativeStats:
             "row_accepted": list(self.row_accepted),
             "row_reached": list(self.row_reached),
             "row_acceptance": self.row_acceptance,
+            "block_sizes": dict(sorted(self.block_sizes.items())),
         }
 
     def _record(self, accept_length: list[int], gamma: int, active: list[bool]) -> None:
@@ -160,6 +165,7 @@ class SpeculativeStats:
             self.row_verifications_by_row += grow
         self.verifications += 1
         self.draft_forwards += gamma
+        self.block_sizes[gamma] = self.block_sizes.get(gamma, 0) + 1
         for b, (k, live) in enumerate(zip(accept_length, active)):
             if not live:
                 continue
@@ -427,6 +433,7 @@ def _speculative_decode(
     do_sample: bool,
     pad_token_id: int | None,
     forward_kwargs: dict[str, Any],
+    block_rule: AdaptiveBlockSize | None = None,
     streamer: Any = None,
     speculative_stats: SpeculativeStats | None = None,
     forced_acceptance: float | None = None,
@@ -434,7 +441,8 @@ def _speculative_decode(
     disable_compile: bool = False,
 ) -> torch.Tensor:
     """The decoding loop both entry points share. Returns the sequences `[B, P + max generated]` (pad after a row's
-    end, as plain `generate`)."""
+    end, as plain `generate`). `block_size` is every block's size, or with `block_rule` the largest one (the rule
+    picks each block's)."""
     device = input_ids.device
     b = input_ids.shape[0]
     mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
@@ -458,7 +466,7 @@ def _speculative_decode(
     with cache.speculating():
         while not all(rows.finished):
             start = cache.get_seq_length()
-            gamma = block_size
+            gamma = block_size if block_rule is None else block_rule.block_size()
             if max_length is not None:  # a block never needs to reach beyond the longest row's remaining budget
                 room = max(budget - len(g) for g, f in zip(rows.generated, rows.finished) if not f)
                 gamma = max(0, min(gamma, room - 1))
@@ -478,8 +486,11 @@ def _speculative_decode(
                     accept_length = accept_length.clamp(max=max_accept)
                 mask = commit_block(cache, mask, start, accept_length, max_accept, block=gamma + 1)
                 last = next_token
+            active = [not f for f in rows.finished]
+            if block_rule is not None:
+                block_rule.update(accepted, gamma, active)
             if speculative_stats is not None:
-                speculative_stats._record(accepted, gamma, [not f for f in rows.finished])
+                speculative_stats._record(accepted, gamma, active)
             emitted = [r[1 : 1 + r[0]] + [r[-1]] for r in host]
             _emit(rows, emitted, rules, streamer)
 
@@ -504,7 +515,28 @@ def _captures_speculation(cache: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- validation
-def _check_args(model: Any, cache: Any, draft_loops: Any, block_size: Any, forced_acceptance: Any, verify_loops: int):
+def _block_rule(
+    model: Any, block_size: Any, max_block_size: Any, draft_cost_ratio: Any, draft_loops: int, verify_loops: int
+) -> tuple[int, AdaptiveBlockSize | None]:
+    """`(largest block, rule)`: `block_size` and no rule for an int; for `"auto"`, `max_block_size` and the
+    `AdaptiveBlockSize` at `draft_cost_ratio` (default: `layer_cost_ratio` of the model's layout)."""
+    if block_size != "auto":
+        return block_size, None
+    if draft_cost_ratio is None:
+        draft_cost_ratio = layer_cost_ratio(model.loop_layout, draft_loops, verify_loops)
+    return max_block_size, AdaptiveBlockSize(draft_cost_ratio, max_block_size)
+
+
+def _check_args(
+    model: Any,
+    cache: Any,
+    draft_loops: Any,
+    block_size: Any,
+    forced_acceptance: Any,
+    verify_loops: int,
+    max_block_size: Any = 8,
+    draft_cost_ratio: Any = None,
+):
     if not hasattr(model, "draft_kwargs") or not hasattr(model, "loop_layout"):
         raise TypeError(
             f"self-speculative decoding needs a native looped model (hf_loopcache OuroForCausalLM or "
@@ -520,10 +552,23 @@ def _check_args(model: Any, cache: Any, draft_loops: Any, block_size: Any, force
             f"`draft_loops` must be an int in [1, {verify_loops - 1}] (fewer than the {verify_loops} verify loops), "
             f"got {draft_loops!r}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+    if block_size == "auto":
+        if isinstance(max_block_size, bool) or not isinstance(max_block_size, int) or max_block_size < 1:
+            raise ValueError(
+                f"`max_block_size` must be a positive int (the largest block `block_size='auto'` takes), "
+                f"got {max_block_size!r}"
+            )
+        if draft_cost_ratio is not None and (
+            isinstance(draft_cost_ratio, bool)
+            or not isinstance(draft_cost_ratio, (int, float))
+            or draft_cost_ratio <= 0
+        ):
+            raise ValueError(f"`draft_cost_ratio` must be None or a positive number, got {draft_cost_ratio!r}")
+        block_size = max_block_size  # the largest block: what the window must cover
+    elif isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
         raise ValueError(
-            f"`block_size` must be a non-negative int (draft tokens per verification; 0 decodes sequentially), "
-            f"got {block_size!r}"
+            f"`block_size` must be a non-negative int (draft tokens per verification; 0 decodes sequentially) or "
+            f"'auto', got {block_size!r}"
         )
     if forced_acceptance is not None and not (
         isinstance(forced_acceptance, (int, float)) and 0.0 <= forced_acceptance <= 1.0
@@ -537,7 +582,7 @@ def _check_args(model: Any, cache: Any, draft_loops: Any, block_size: Any, force
     window = cache.plan.window if any(o != "bf16" for o in cache.plan.options.values()) else None
     if window is not None and window < block_size:
         logger.warning_once(
-            f"self-speculative decoding over a windowed cache with window {window} < block_size {block_size} is "
+            f"self-speculative decoding over a windowed cache with window {window} < the largest block {block_size} is "
             f"approximate: verifying a block reads planes that sequential decoding would not (RIPE Proposition 1 "
             f"needs window >= block_size; the deepest-plane cache has window 0)."
         )
@@ -581,7 +626,9 @@ def self_speculative(
     synced_gpus: bool = False,
     streamer: Any = None,
     draft_loops: int | None = None,
-    block_size: int = 4,
+    block_size: int | str = 4,
+    max_block_size: int = 8,
+    draft_cost_ratio: float | None = None,
     speculative_stats: SpeculativeStats | None = None,
     forced_acceptance: float | None = None,
     tokenizer: Any = None,
@@ -597,7 +644,14 @@ def self_speculative(
 
     Args:
         draft_loops (`int`): `d`, loops (Ouro) or recurrent steps (Huginn) of a draft, `1 <= d < R`.
-        block_size (`int`, *optional*, defaults to 4): `gamma`, draft tokens per verification (0: sequential).
+        block_size (`int` or `"auto"`, *optional*, defaults to 4): `gamma`, draft tokens per verification (0:
+            sequential); `"auto"`: before each verification the size RIPE Eq. (8) favours at the acceptance seen so
+            far (`generation.AdaptiveBlockSize`), at most `max_block_size`.
+        max_block_size (`int`, *optional*, defaults to 8): with `block_size="auto"`, the largest block (the cache's
+            rollback reserve, and with RIPE the window exactness needs, follow it).
+        draft_cost_ratio (`float`, *optional*): with `block_size="auto"`, `c`, a draft forward's cost over a
+            full-depth step's (default: `generation.layer_cost_ratio`, layer passes; a measured
+            `SpeculativeStats.draft_cost_ratio` of an earlier run is closer on a given machine).
         speculative_stats (`SpeculativeStats`, *optional*): filled with acceptance and timing statistics.
         forced_acceptance (`float`, *optional*): benchmarks on random weights only: accept each draft token with this
             probability regardless of the tokens (the output is then meaningless; the cost is real).
@@ -625,7 +679,10 @@ def self_speculative(
     for name in ("position_ids", "use_cache", "logits_to_keep", "cache_position", "return_dict"):
         model_kwargs.pop(name, None)
     verify_loops = _verify_loops(model, model_kwargs)
-    _check_args(model, cache, draft_loops, block_size, forced_acceptance, verify_loops)
+    _check_args(
+        model, cache, draft_loops, block_size, forced_acceptance, verify_loops, max_block_size, draft_cost_ratio
+    )
+    block_size, block_rule = _block_rule(model, block_size, max_block_size, draft_cost_ratio, draft_loops, verify_loops)
     pad = generation_config._pad_token_tensor
     sequences = _speculative_decode(
         model,
@@ -639,6 +696,7 @@ def self_speculative(
         do_sample=bool(generation_config.do_sample),
         pad_token_id=int(pad) if pad is not None else None,
         forward_kwargs=model_kwargs,
+        block_rule=block_rule,
         streamer=streamer,
         speculative_stats=speculative_stats,
         forced_acceptance=forced_acceptance,
@@ -654,7 +712,9 @@ def self_speculative_generate(
     input_ids: torch.Tensor,
     *,
     draft_loops: int,
-    block_size: int = 4,
+    block_size: int | str = 4,
+    max_block_size: int = 8,
+    draft_cost_ratio: float | None = None,
     max_new_tokens: int = 32,
     attention_mask: torch.Tensor | None = None,
     cache: Any = None,
@@ -675,8 +735,9 @@ def self_speculative_generate(
     Args:
         model: a native looped model (`OuroForCausalLM`, `HuginnForCausalLM`).
         input_ids (`torch.LongTensor` of shape `[B, P]`): the prompts, left-padded.
-        draft_loops (`int`): `d`, loops of a draft. block_size (`int`): `gamma` (0: sequential decoding through the
-            same loop, the fair baseline for speed-ups).
+        draft_loops (`int`): `d`, loops of a draft. block_size (`int` or `"auto"`): `gamma` (0: sequential decoding
+            through the same loop, the fair baseline for speed-ups); `max_block_size`, `draft_cost_ratio`: see
+            `self_speculative`.
         max_new_tokens (`int`): tokens to generate per row at most.
         attention_mask (`torch.Tensor` of shape `[B, P]`, *optional*): 1 for real tokens.
         cache (`LoopCache`, *optional*): defaults to a `FullLoopCache` of the model.
@@ -701,7 +762,11 @@ def self_speculative_generate(
         cache = FullLoopCache(model, num_loops=_verify_loops(model, model_kwargs))
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError(f"a streamer is supported at batch size 1 only, got batch size {input_ids.shape[0]}")
-    _check_args(model, cache, draft_loops, block_size, forced_acceptance, _verify_loops(model, model_kwargs))
+    verify_loops = _verify_loops(model, model_kwargs)
+    _check_args(
+        model, cache, draft_loops, block_size, forced_acceptance, verify_loops, max_block_size, draft_cost_ratio
+    )
+    block_size, block_rule = _block_rule(model, block_size, max_block_size, draft_cost_ratio, draft_loops, verify_loops)
     # as `generate` does: empty cells allocate `max_new_tokens` positions past the prompt at their first write, so
     # that at batch 1 no cell regrows (copying its history) mid-decoding (the decoder shortens the last blocks; in a
     # batch, holes can take the cache past that, and it grows as usual)
@@ -730,6 +795,7 @@ def self_speculative_generate(
         do_sample=do_sample,
         pad_token_id=pad_token_id,
         forward_kwargs=model_kwargs,
+        block_rule=block_rule,
         streamer=streamer,
         speculative_stats=speculative_stats,
         forced_acceptance=forced_acceptance,

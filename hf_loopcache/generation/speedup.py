@@ -11,11 +11,21 @@ verification but pay for drafts that are rejected more often: `best_block_size` 
 
 These are the steady state of one row. A batch decoding a fixed number of tokens per row ends with its slowest row,
 which costs a few percent more at batch 8 (`benchmarks/bench_selfspec.py`, `batch_tokens_per_verification`).
+
+`AdaptiveBlockSize` applies `best_block_size` while decoding (`self_speculative(..., block_size="auto")`): the
+acceptance is estimated from the blocks verified so far (under Eq. 7's model a row that accepts `k` of `gamma` drafts
+tested `min(k + 1, gamma)` of them, so accepted over tested is the maximum-likelihood `alpha`, whatever the block
+sizes), and the cost ratio is `layer_cost_ratio` (layer passes of a draft over a full-depth step's) unless given.
 """
 
 from __future__ import annotations
 
-__all__ = ["best_block_size", "expected_block_tokens", "expected_speedup"]
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["AdaptiveBlockSize", "best_block_size", "expected_block_tokens", "expected_speedup", "layer_cost_ratio"]
 
 
 def _check(acceptance: float, block_size: int | None = None, cost_ratio: float | None = None) -> None:
@@ -26,7 +36,9 @@ def _check(acceptance: float, block_size: int | None = None, cost_ratio: float |
     if cost_ratio is not None and (
         isinstance(cost_ratio, bool) or not isinstance(cost_ratio, (int, float)) or not cost_ratio > 0.0
     ):
-        raise ValueError(f"`cost_ratio` must be a positive number (a draft forward over a full step), got {cost_ratio!r}")
+        raise ValueError(
+            f"`cost_ratio` must be a positive number (a draft forward over a full step), got {cost_ratio!r}"
+        )
 
 
 def expected_block_tokens(acceptance: float, block_size: int) -> float:
@@ -57,3 +69,74 @@ def best_block_size(acceptance: float, cost_ratio: float, max_block_size: int = 
         raise ValueError(f"`max_block_size` must be a positive int, got {max_block_size!r}")
     gains = [expected_speedup(acceptance, g, cost_ratio) for g in range(1, max_block_size + 1)]
     return 1 + gains.index(max(gains))
+
+
+def layer_cost_ratio(layout: Any, draft_loops: int, verify_loops: int | None = None) -> float:
+    """`c` counted in layer passes: a draft runs the prelude, `draft_loops` passes of the looped block and the coda,
+    a full-depth step `verify_loops` passes (default: the layout's `num_loops`), `(n_pre + d n_core + n_coda) /
+    (n_pre + R n_core + n_coda)` (RIPE Sec. 3.4's count; Huginn-0125 at 4 of 32 steps: 20 / 132). A decode step
+    reads its layers' weights and the keys and values of the loops it runs, both in proportion to the layer passes;
+    the embedding and the output head are left out (a few percent of a step on Ouro-1.4B: 0.50 here, 0.51 measured)."""
+    loops = layout.num_loops if verify_loops is None else verify_loops
+    for name, value in (("draft_loops", draft_loops), ("verify_loops", loops)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    once = layout.n_prelude + layout.n_coda
+    return (once + draft_loops * layout.n_core) / (once + loops * layout.n_core)
+
+
+class AdaptiveBlockSize:
+    """The block size Eq. (8) favours at the acceptance seen so far: `best_block_size(acceptance, cost_ratio,
+    max_block_size)` before every verification, with `acceptance` the pooled maximum-likelihood estimate over the
+    verified blocks of the rows still generating (accepted drafts over tested drafts), started from
+    `prior_acceptance` with the weight of `prior_tokens` tested drafts.
+
+    It is host arithmetic on the accepted lengths the decoder reads anyway (no device work, no sync). Its choices
+    depend only on those lengths, so a run with the same prompts and seed takes the same block sizes. A block size
+    changes how tokens are grouped into verifications, not which tokens greedy decoding emits over an exact cache
+    (full; RIPE with `window >= max_block_size`), nor the distribution sampling draws from.
+
+    Args:
+        cost_ratio (`float`): `c`, a draft forward's cost over a full-depth step's (`layer_cost_ratio`, or a measured
+            `SpeculativeStats.draft_cost_ratio`).
+        max_block_size (`int`): the largest block (the cache's rollback reserve is sized for it).
+        prior_acceptance (`float`, *optional*, defaults to 0.8): the acceptance assumed before any block.
+        prior_tokens (`float`, *optional*, defaults to 8): its weight, in tested draft tokens.
+    """
+
+    def __init__(
+        self, cost_ratio: float, max_block_size: int, prior_acceptance: float = 0.8, prior_tokens: float = 8.0
+    ) -> None:
+        _check(0.0, None, cost_ratio)
+        if (
+            isinstance(prior_acceptance, bool)
+            or not isinstance(prior_acceptance, (int, float))
+            or not (0.0 <= prior_acceptance <= 1.0)
+        ):
+            raise ValueError(f"`prior_acceptance` must be a number in [0, 1], got {prior_acceptance!r}")
+        if isinstance(max_block_size, bool) or not isinstance(max_block_size, int) or max_block_size < 1:
+            raise ValueError(f"`max_block_size` must be a positive int, got {max_block_size!r}")
+        if isinstance(prior_tokens, bool) or not isinstance(prior_tokens, (int, float)) or not prior_tokens > 0:
+            raise ValueError(f"`prior_tokens` must be a positive number, got {prior_tokens!r}")
+        self.cost_ratio = float(cost_ratio)
+        self.max_block_size = max_block_size
+        self.prior_acceptance = float(prior_acceptance)
+        self.prior_tokens = float(prior_tokens)
+        self.accepted = 0
+        self.tested = 0
+
+    @property
+    def acceptance(self) -> float:
+        """`(accepted + prior_acceptance * prior_tokens) / (tested + prior_tokens)`."""
+        return (self.accepted + self.prior_acceptance * self.prior_tokens) / (self.tested + self.prior_tokens)
+
+    def block_size(self) -> int:
+        """The next block's size."""
+        return best_block_size(self.acceptance, self.cost_ratio, self.max_block_size)
+
+    def update(self, accept_length: Sequence[int], block_size: int, active: Sequence[bool]) -> None:
+        """Count a verified block of `block_size` drafts: row `b` (if `active[b]`) accepted `accept_length[b]`."""
+        for k, live in zip(accept_length, active):
+            if live and block_size:
+                self.accepted += int(k)
+                self.tested += min(int(k) + 1, block_size)

@@ -236,7 +236,8 @@ def test_fixture_prompts_start_with_their_separator_token():
     assert make_lm(add_bos_token=False).tok_encode("Hello world")[:1] != [bos]
 
 
-def test_self_speculative_options_reach_the_strategy(monkeypatch):
+def _record_strategy(monkeypatch, keys: tuple[str, ...]) -> list[dict]:
+    """Replace `hf_loopcache.self_speculative` with a wrapper that records the `keys` of every call's keywords."""
     import hf_loopcache
 
     if getattr(hf_loopcache, "self_speculative", None) is None:
@@ -246,13 +247,32 @@ def test_self_speculative_options_reach_the_strategy(monkeypatch):
 
     @functools.wraps(strategy)
     def recording(*args, **kwargs):
-        calls.append({k: kwargs.get(k) for k in ("draft_loops", "block_size")})
+        calls.append({k: kwargs.get(k) for k in keys})
         return strategy(*args, **kwargs)
 
     monkeypatch.setattr(hf_loopcache, "self_speculative", recording)
+    return calls
+
+
+def test_self_speculative_options_reach_the_strategy(monkeypatch):
+    calls = _record_strategy(monkeypatch, ("draft_loops", "block_size"))
     plain = make_lm(cache="ripe", window=8)
     spec = make_lm(cache="ripe", window=8, draft_loops=2, block_size=3)
     greedy = plain.generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True)
     drafted = spec.generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True)
     assert calls and calls[0] == {"draft_loops": 2, "block_size": 3}
     assert drafted == greedy  # greedy self-speculative decoding with RIPE(W >= block) is lossless
+
+
+def test_auto_block_size_reaches_the_strategy(monkeypatch):
+    """`block_size=auto,max_block_size=N` reach `self_speculative` as given (RIPE's window covers the largest block:
+    the answers equal plain greedy); `max_block_size` without `auto`, or a block size that is neither, is refused."""
+    calls = _record_strategy(monkeypatch, ("draft_loops", "block_size", "max_block_size"))
+    greedy = make_lm(cache="ripe", window=8).generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True)
+    spec = make_lm(cache="ripe", window=8, draft_loops=2, block_size="auto", max_block_size=6)
+    assert spec.generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True) == greedy
+    assert calls and calls[0] == {"draft_loops": 2, "block_size": "auto", "max_block_size": 6}
+    with pytest.raises(ValueError, match="model_args `max_block_size` needs `block_size=auto`, got block_size=4"):
+        make_lm(draft_loops=2, block_size=4, max_block_size=6)
+    with pytest.raises(ValueError, match="model_args `block_size` must be a positive int or auto, got 'fast'"):
+        make_lm(draft_loops=2, block_size="fast")

@@ -345,3 +345,71 @@ def test_draft_cost_ratio_feeds_best_block_size():
     self_speculative_generate(model, torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]]), draft_loops=1, block_size=2,
                               max_new_tokens=9, speculative_stats=timed_off)  # fmt: skip
     assert math.isnan(timed_off.draft_cost_ratio)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cache_name", ["full", "ripe-W=gamma"])
+@pytest.mark.parametrize("left_pad", [False, True], ids=["B1", "B3-left-padded"])
+def test_auto_block_size_equals_sequential_generate_fp64(arch, cache_name, left_pad):
+    """`block_size="auto"`: each block takes `AdaptiveBlockSize`'s choice (here between 1 and 5 on a random model's
+    acceptance, `draft_cost_ratio` low so that longer blocks pay); greedy output still equals plain greedy
+    `generate` (RIPE's window covers the largest block), and the blocks taken are the rule's, replayed from the
+    accepted lengths."""
+    from hf_loopcache.generation import AdaptiveBlockSize
+
+    model = make_model(arch).double()
+    ids, mask = _batch(left_pad)
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, **call_kwargs(arch))
+    if mask is not None:
+        kw["attention_mask"] = mask
+    ref = model.generate(ids, past_key_values=_CACHES[cache_name](model, 5), **kw)
+    stats = _AutoStats()
+    out = model.generate(
+        ids, past_key_values=_CACHES[cache_name](model, 5), custom_generate=self_speculative,
+        draft_loops=_draft(model), block_size="auto", max_block_size=5, draft_cost_ratio=0.05,
+        speculative_stats=stats, **kw,
+    )  # fmt: skip
+    assert torch.equal(out, ref)
+    assert len(stats.block_sizes) > 1 and max(stats.block_sizes) <= 5  # the rule moved
+    replay = AdaptiveBlockSize(0.05, 5)
+    for accepted, gamma, active in stats.blocks[:-2]:  # the last blocks are shortened to the remaining budget
+        assert gamma == replay.block_size()
+        replay.update(accepted, gamma, active)
+
+
+class _AutoStats(SpeculativeStats):
+    """Stats that also keep every block's accepted lengths, size and live rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = []
+
+    def _record(self, accept_length, gamma, active):
+        self.blocks.append((list(accept_length), gamma, list(active)))
+        super()._record(accept_length, gamma, active)
+
+
+@torch.no_grad()
+def test_auto_block_size_follows_forced_acceptance():
+    """Forced acceptance 1 takes the auto rule to `max_block_size`, 0 to blocks of one draft (Eq. 8 at the layer
+    cost ratio, 1 of 3 loops here: 1/3); the cache's rollback reserve is the largest block."""
+    model = make_model("ouro")
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]])
+    for forced, expect in ((1.0, 6), (0.0, 1)):
+        stats, cache = SpeculativeStats(), FullLoopCache(model)
+        self_speculative_generate(model, ids, draft_loops=1, block_size="auto", max_block_size=6, max_new_tokens=90,
+                                  cache=cache, speculative_stats=stats, forced_acceptance=forced)  # fmt: skip
+        assert max(stats.block_sizes, key=stats.block_sizes.get) == expect, stats.block_sizes
+        assert cache.max_rollback == 6
+
+
+def test_auto_block_size_arguments_are_refused_by_name():
+    model = make_model("ouro")
+    ids = torch.tensor([[5, 9, 17]])
+    base = dict(custom_generate=self_speculative, max_new_tokens=4, pad_token_id=0, draft_loops=1)
+    with pytest.raises(ValueError, match="`block_size` must be a non-negative int .* or 'auto', got 'fast'"):
+        model.generate(ids, block_size="fast", **base)
+    with pytest.raises(ValueError, match="`max_block_size` must be a positive int .* got 0"):
+        model.generate(ids, block_size="auto", max_block_size=0, **base)
+    with pytest.raises(ValueError, match="`draft_cost_ratio` must be None or a positive number, got -1"):
+        self_speculative_generate(model, ids, draft_loops=1, block_size="auto", draft_cost_ratio=-1)

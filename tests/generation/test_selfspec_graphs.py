@@ -448,3 +448,73 @@ def test_a_block_outside_a_decode_does_not_replay_its_verification(monkeypatch):
     got = logits(cache, model.get_compiled_call(None))
     assert len(cache._graphs) == recorded + 1
     torch.testing.assert_close(got, rows)
+
+
+def _auto_captured(model, arch, name, ids, mask):
+    cache = CACHES[name](model, static=True, max_batch_size=3, max_cache_len=120)
+    options = dict(block_size="auto", max_block_size=GAMMA, draft_cost_ratio=0.05, new=20)
+    eager = _spec(model, arch, cache, ids, mask, disable_compile=True, **options)
+    cache.reset()
+    captured = _spec(model, arch, cache, ids, mask, **options)
+    lengths = {key[1] for key in cache._graphs}
+    return eager, captured, lengths, cache.max_rollback
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_auto_block_sizes_replay_a_recording_per_block_length(monkeypatch, name):
+    """`block_size="auto"` over a static cache (left-padded batch of 3): each block length the rule takes is a
+    recording of its own (one-token drafts and steps, and verifications of 2 .. max + 1 tokens), the rollback reserve
+    is the largest block, and the tokens equal sequential greedy decoding (RIPE's window is the largest block)."""
+    stand_in_graphs(monkeypatch)
+    model = make_model("ouro").float()
+    ids, mask = _batch()
+    eager, captured, lengths, reserve = _auto_captured(model, "ouro", name, ids, mask)
+    assert torch.equal(captured, eager)
+    assert torch.equal(eager, _spec(model, "ouro", CACHES[name](model), ids, mask, block_size=0, new=20))
+    assert reserve == GAMMA and 1 in lengths and len(lengths - {1}) >= 2 and max(lengths) <= GAMMA + 1
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["full", "ripe3"])
+def test_auto_block_sizes_captured_on_cuda(name):
+    """The same on CUDA (fp32), every step a CUDA graph."""
+    model = make_model("ouro").float().cuda()
+    ids, mask = (t.cuda() for t in _batch())
+    eager, captured, lengths, reserve = _auto_captured(model, "ouro", name, ids, mask)
+    assert torch.equal(captured, eager)
+    assert torch.equal(eager, _spec(model, "ouro", CACHES[name](model), ids, mask, block_size=0, new=20))
+    assert reserve == GAMMA and len(lengths - {1}) >= 2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", sorted(CODED))
+@pytest.mark.parametrize("arch", ["ouro", "huginn"])
+def test_one_row_sizes_its_rings_without_holes(monkeypatch, arch, name):
+    """A cache of one row never holds a hole (a verification keeps exactly what its one row accepted), so its rings
+    and the pages it codes per forward are sized for one storage position per real token (`hole_span`): a long run
+    at block size 4 with a window of 4 and pages of 4 (the boundary crosses pages every forward), eager and replayed,
+    gives the growable cache's tokens with rings 2.7-2.8x smaller than a batch's here."""
+    from hf_loopcache.cache.layers.static import ring_capacity
+    from hf_loopcache.cache.layers.static_coded import coded_ring_capacity, flush_pages
+
+    stand_in_graphs(monkeypatch)
+    model = make_model(arch).double()
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7, 3]])
+    kw = dict(draft_loops=model.loop_layout.num_loops - 1, block_size=4, max_new_tokens=48, eos_token_id=None,
+              pad_token_id=0, **call_kwargs(arch))  # fmt: skip
+    growable = self_speculative_generate(model, ids, cache=CODED[name](model), **kw)
+    cache = CODED[name](model, static=True, max_batch_size=1, max_cache_len=80)
+    assert torch.equal(self_speculative_generate(model, ids, cache=cache, disable_compile=True, **kw), growable)
+    cache.reset()
+    assert torch.equal(self_speculative_generate(model, ids, cache=cache, **kw), growable)
+    assert cache._graphs
+    rings = {layer.capacity for layer in cache.cells if hasattr(layer, "holes")}
+    window, page = (GAMMA, 1) if name == "ripe3-sink" else (4, 4)
+    coded = coded_ring_capacity(window, page, 4, holes=False)
+    shared = ring_capacity(window, page, 4, holes=False)
+    assert rings and rings <= {coded, shared} and not any(layer.holes for layer in cache.cells if hasattr(layer, "holes"))
+    assert coded_ring_capacity(4, 4, 4) / coded_ring_capacity(4, 4, 4, holes=False) > 2.6
+    assert ring_capacity(3, 1, 4) / ring_capacity(3, 1, 4, holes=False) > 2.7
+    assert flush_pages(4, 4, holes=False) < flush_pages(4, 4)

@@ -59,3 +59,87 @@ def test_best_block_size():
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_layer_cost_ratio_counts_layer_passes():
+    """RIPE Sec. 3.4's count: Huginn-0125 (2 + 4 x 32 + 2 layers) drafting 4 steps is 20 / 132; Ouro-1.4B (24 layers
+    x 4 loops, nothing outside the loop) drafting 2 loops is one half; the verification depth defaults to the
+    layout's."""
+    from hf_loopcache import LoopLayout
+    from hf_loopcache.generation import layer_cost_ratio
+
+    huginn = LoopLayout(n_core=4, num_loops=32, num_kv_heads=55, head_dim=96, n_prelude=2, n_coda=2)
+    ouro = LoopLayout(n_core=24, num_loops=4, num_kv_heads=16, head_dim=128)
+    assert layer_cost_ratio(huginn, 4) == pytest.approx(HUGINN_C4, rel=1e-12)
+    assert layer_cost_ratio(huginn, 4, 16) == pytest.approx(20 / 68, rel=1e-12)
+    assert layer_cost_ratio(ouro, 2) == 0.5 and layer_cost_ratio(ouro, 1, 3) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="`draft_loops` must be a positive int, got 0"):
+        layer_cost_ratio(ouro, 0)
+
+
+def _blocks(rule, alpha: float, rows: int, blocks: int, seed: int = 0) -> list[int]:
+    """Drive `rule` with blocks drawn from Eq. 7's model at `alpha` (rows i.i.d.); the block sizes it took."""
+    import random
+
+    rng = random.Random(seed)
+    taken = []
+    for _ in range(blocks):
+        gamma = rule.block_size()
+        taken.append(gamma)
+        accepted = []
+        for _ in range(rows):
+            k = 0
+            while k < gamma and rng.random() < alpha:
+                k += 1
+            accepted.append(k)
+        rule.update(accepted, gamma, [True] * rows)
+    return taken
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.83, 0.95])
+def test_adaptive_block_size_estimates_alpha_whatever_the_block_sizes(alpha):
+    """Accepted over tested drafts is the maximum-likelihood alpha of Eq. 7's model, unbiased across block sizes: a
+    rule driven by blocks at `alpha` settles within 0.02 of it (4,000 rows-blocks, prior weight 8), and its
+    choice is then `best_block_size` at the estimate."""
+    from hf_loopcache.generation import AdaptiveBlockSize
+
+    rule = AdaptiveBlockSize(0.3, 8)
+    _blocks(rule, alpha, rows=8, blocks=500)
+    assert rule.acceptance == pytest.approx(alpha, abs=0.02)
+    assert rule.block_size() == best_block_size(rule.acceptance, 0.3, 8)
+
+
+def test_adaptive_block_size_follows_eq8():
+    """Before any block: Eq. (8)'s best at the prior (0.8). Then: the tiny-ouro fixture's rate at half a step settles
+    on 2 (Eq. 8's best); the paper's deepest-plane Huginn rate on the largest block allowed; drafts that are never
+    accepted on 1; rows marked finished and blocks of 0 drafts do not count."""
+    from hf_loopcache.generation import AdaptiveBlockSize
+
+    assert AdaptiveBlockSize(0.5, 8).block_size() == best_block_size(0.8, 0.5, 8) == 2
+    assert AdaptiveBlockSize(HUGINN_C4, 6).block_size() == best_block_size(0.8, HUGINN_C4, 6) == 5
+    assert _blocks(AdaptiveBlockSize(0.5, 8), 0.8265, 8, 300)[-100:] == [2] * 100
+    assert _blocks(AdaptiveBlockSize(HUGINN_C4, 8), 0.93, 8, 300)[-100:] == [8] * 100
+    assert _blocks(AdaptiveBlockSize(HUGINN_C4, 8), 0.0, 1, 100)[-50:] == [1] * 50
+    rule = AdaptiveBlockSize(0.5, 8, prior_acceptance=0.5, prior_tokens=2)
+    rule.update([3, 0], 3, [True, False])  # row 1 finished: its 0 is not a rejection
+    assert (rule.accepted, rule.tested) == (3, 3) and rule.acceptance == pytest.approx(4 / 5)
+    rule.update([0], 0, [True])
+    assert (rule.accepted, rule.tested) == (3, 3)
+    rule.update([1, 4], 4, [True, True])  # 1 of 2 tested, then 4 of 4 (nothing rejected at a full block)
+    assert (rule.accepted, rule.tested) == (8, 9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cost_ratio=0.0, max_block_size=4), "`cost_ratio` must be a positive number"),
+        (dict(cost_ratio=0.5, max_block_size=0), "`max_block_size` must be a positive int"),
+        (dict(cost_ratio=0.5, max_block_size=4, prior_acceptance=1.5), "`prior_acceptance` must be a number in"),
+        (dict(cost_ratio=0.5, max_block_size=4, prior_tokens=0), "`prior_tokens` must be a positive number"),
+    ],
+)
+def test_adaptive_block_size_arguments_are_named(kwargs, match):
+    from hf_loopcache.generation import AdaptiveBlockSize
+
+    with pytest.raises(ValueError, match=match):
+        AdaptiveBlockSize(**kwargs)

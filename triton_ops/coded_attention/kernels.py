@@ -1571,7 +1571,7 @@ def _attend_dense(
     max `b_m` (V-precision seed). `RING`: the segment is a ring of `length` slots holding the positions below `pos0`
     (position `p` in slot `p mod length`), read from the oldest position a row of the block sees, `first =
     max(min_r b_lo[r], pos0 - length, 0)`: `t_lo, t_hi` count positions from `first` (a program past
-    `pos0 - first` reads nothing). A self-speculative cell's ring is sized for holes after every real token (up to
+    `pos0 - first` reads nothing). A self-speculative batch's ring is sized for holes after every real token (up to
     `R + 1` storage positions each, `coded_ring_capacity`), several times the positions a row reads in practice;
     slots older than every row's boundary are never loaded."""
     o_d = tl.arange(0, D)

@@ -102,7 +102,7 @@ class CellView:
             real token; None when every position is real.
         window_reach (`int`, *optional*): with device-side lengths, the most ring positions a row reads while its
             window holds no holes (at most a decoding cell's ring, `W + 2P` for a coded one). The launcher sizes the
-            window's programs for this stretch, not for the ring (a self-speculative cell's ring is sized for a hole
+            window's programs for this stretch, not for the ring (a self-speculative batch's ring is sized for a hole
             after every real token, several times longer), and those programs loop over the rest where holes make a
             row's stretch longer. None: the ring's capacity.
     """

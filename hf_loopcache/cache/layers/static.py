@@ -16,15 +16,23 @@ from triton_ops.coded_attention import CellView, coded_attention
 if TYPE_CHECKING:
     from hf_loopcache.cache.read import ReadState
 
-__all__ = ["StaticDenseLayer", "effective_storage", "ring_capacity", "static_mask"]
+__all__ = ["StaticDenseLayer", "effective_storage", "hole_span", "ring_capacity", "static_mask"]
 
 
-def ring_capacity(window: int, page_size: int, rollback: int) -> int:
-    """Ring positions of a static shared cell (`StaticCodedSharedLayer`): `(W + P) * (R + 1) + R + 1` with
-    `R = rollback`. Decoding (`R = 0`) needs `W + P`; a verified block of `R + 1` tokens and a crop of up to `R` need
-    `W + P - 1 + (R + 1)`; a row whose rejected draft tokens left holes in its window spans up to `(R + 1)` storage
-    positions per real token."""
-    return (window + page_size) * (rollback + 1) + rollback + 1
+def hole_span(rollback: int, holes: bool) -> int:
+    """Storage positions a real token may span in a row's window: `R + 1` when rows may hold holes (a batch of
+    several rows under self-speculation: a row that accepts fewer drafts than another keeps its rejected positions
+    as holes, up to `R` after a real token), else 1 (one row never holds a hole: a verification keeps exactly the
+    positions it accepted)."""
+    return rollback + 1 if holes else 1
+
+
+def ring_capacity(window: int, page_size: int, rollback: int, holes: bool = True) -> int:
+    """Ring positions of a static shared cell (`StaticCodedSharedLayer`): `(W + P) h + R + 1` with `R = rollback`
+    and `h = hole_span(R, holes)`. Decoding (`R = 0`) needs `W + P`; a verified block of `R + 1` tokens and a crop of
+    up to `R` need `W + P - 1 + (R + 1)`; a row whose rejected draft tokens left holes in its window spans up to
+    `h` storage positions per real token."""
+    return (window + page_size) * hole_span(rollback, holes) + rollback + 1
 
 
 #: With `StaticDenseLayer.read_method = "auto"` (the default), a static dense cell's read on CUDA runs the kernel (to

@@ -47,6 +47,7 @@ from hf_loopcache.cache.layers.static import (
     _StaticStorage,
     additive_bias,
     effective_storage,
+    hole_span,
     ring_capacity,
 )
 from hf_loopcache.cache.plan import window_boundary
@@ -72,30 +73,31 @@ _CODE_CHUNK_PAGES = 32
 """Pages coded per call on the host path (a prefill): bounds the fp32 transient."""
 
 
-def flush_pages(page_size: int, rollback: int) -> int:
+def flush_pages(page_size: int, rollback: int, holes: bool = True) -> int:
     """Pages a static coded cell codes per forward: `K = 1` without a rollback reserve (decoding: the boundary moves
-    by at most one page a step), else `ceil((R + P)(R + 1) / P) + 2`. With holes, a row's boundary `H` moves in its
-    effective positions: by up to `R + P` of them in one forward (a verification of `R + 1` tokens), each of which
-    spans up to `R + 1` storage positions (a real token and the holes a rejected draft leaves after it), so the
-    largest boundary over the rows moves by at most `K - 1` storage pages (one more for the page it ends in)."""
+    by at most one page a step), else `ceil((R + P) h / P) + 2`, `h = hole_span(R, holes)`. A row's boundary `H`
+    moves in its effective positions: by up to `R + P` of them in one forward (a verification of `R + 1` tokens),
+    each of which spans up to `h` storage positions (with holes a real token and the holes a rejected draft leaves
+    after it), so the largest boundary over the rows moves by at most `K - 1` storage pages (one more for the page
+    it ends in)."""
     if rollback == 0:
         return 1
-    return -(-(rollback + page_size) * (rollback + 1) // page_size) + 2
+    return -(-(rollback + page_size) * hole_span(rollback, holes) // page_size) + 2
 
 
-def coded_ring_capacity(window: int, page_size: int, rollback: int) -> int:
+def coded_ring_capacity(window: int, page_size: int, rollback: int, holes: bool = True) -> int:
     """Ring slots of a static coded cell. Without a rollback reserve `W + 2P`: a read at `t` needs `[H(t), t)` (up to
     `W + P - 1` positions), the flush of the step the page below `H(t)` (`P` more), and one slot more keeps that page
     after a crop of the position just written (the step `generate` takes back after a deferred stop: `exact_crop`;
     one position in a ring of `W + 2P`, e.g. 320 slots for LoopKV's 256 and 32). With a reserve `R`
     (self-speculation), rows may hold holes: a row's `W + P - 1` real positions before `t` span up to
-    `(W + P - 1)(R + 1) + R` storage positions, the `K = flush_pages(P, R)` pages coded per forward end within a page
-    of the largest boundary, and a crop of up to `R` positions must find all of it still held:
-    `(W + P - 1)(R + 1) + 2R + (K + 1)P - 1`."""
+    `(W + P - 1) h + R` storage positions (`h = hole_span(R, holes)`: `R + 1` with holes, 1 for a cache of one row),
+    the `K = flush_pages(P, R, holes)` pages coded per forward end within a page of the largest boundary, and a crop
+    of up to `R` positions must find all of it still held: `(W + P - 1) h + 2R + (K + 1)P - 1`."""
     if rollback == 0:
         return window + 2 * page_size
-    k = flush_pages(page_size, rollback)
-    return (window + page_size - 1) * (rollback + 1) + 2 * rollback + (k + 1) * page_size - 1
+    k = flush_pages(page_size, rollback, holes)
+    return (window + page_size - 1) * hole_span(rollback, holes) + 2 * rollback + (k + 1) * page_size - 1
 
 
 def page_floor_t(t: torch.Tensor, sink: int, page_size: int) -> torch.Tensor:
@@ -113,8 +115,8 @@ class _StaticWindowed(_StaticStorage):
     ) -> None:
         super().__init__()
         self.sink, self.window, self.page, self.rollback = sink, window, page_size, rollback
-        self.capacity = self._capacity(rollback)
         self.max_rows, self.max_positions = max_batch_size, max_cache_len
+        self.capacity = self._capacity(rollback)
         self.k: torch.Tensor | None = None  # the ring
         self.v: torch.Tensor | None = None
         self.sink_k: torch.Tensor | None = None
@@ -227,6 +229,12 @@ class _StaticWindowed(_StaticStorage):
     def _capacity(self, rollback: int) -> int:
         """Ring slots for a rollback reserve of `rollback` positions."""
         raise NotImplementedError
+
+    @property
+    def holes(self) -> bool:
+        """Whether rows may hold holes (sizes the ring and the pages coded per forward): a cache of one row never
+        does."""
+        return self.max_rows > 1
 
     def _row_ends(self, read: ReadState, positions: torch.Tensor) -> torch.Tensor:
         """`[B, q]`: per row, the stored positions below `length` that the queries at `positions` read from the
@@ -508,7 +516,7 @@ class StaticCodedLayer(_StaticWindowed):
         return self.page
 
     def _capacity(self, rollback: int) -> int:
-        return coded_ring_capacity(self.window, self.page, rollback)
+        return coded_ring_capacity(self.window, self.page, rollback, self.holes)
 
     def _storage_allocated(self, device: torch.device) -> None:
         super()._storage_allocated(device)
@@ -531,7 +539,7 @@ class StaticCodedLayer(_StaticWindowed):
             nbits=self.nbits,
             group_size=self.group,
         )
-        k = flush_pages(self.page, self.rollback)
+        k = flush_pages(self.page, self.rollback, self.holes)
         self.coded_t = torch.full((rows, heads, 2, k), -1, dtype=torch.int32, device=device)
 
     def _forget(self, first_page: int = 0) -> None:
@@ -674,7 +682,7 @@ class StaticCodedLayer(_StaticWindowed):
             hist = self._history_end(read, positions, limit, held)  # [B, q]
             pages = torch.div(hist.amax() - self.sink + self.page - 1, self.page, rounding_mode="floor")
             target = self.sink + self.page * pages.clamp(min=0)  # the page boundary at or above the largest end
-            k = flush_pages(self.page, self.rollback)
+            k = flush_pages(self.page, self.rollback, self.holes)
             start = target - self.page * torch.arange(k, 0, -1, device=positions.device)  # [K], ascending
             pos = (start[:, None] + torch.arange(self.page, device=positions.device)).flatten()  # [K * P]
             valid = read.static_valid
@@ -758,7 +766,7 @@ class StaticCodedLayer(_StaticWindowed):
 
     def resize(self, rollback: int) -> None:
         super().resize(rollback)
-        k = flush_pages(self.page, rollback)
+        k = flush_pages(self.page, rollback, self.holes)
         if self.coded_t is not None and self.coded_t.shape[-1] != k:
             self.coded_t = torch.full((*self.coded_t.shape[:-1], k), -1, dtype=torch.int32, device=self.coded_t.device)
         else:
@@ -903,7 +911,7 @@ class StaticCodedSharedLayer(_StaticWindowed):
         return self.source.length
 
     def _capacity(self, rollback: int) -> int:
-        return ring_capacity(self.window, self.page, rollback)
+        return ring_capacity(self.window, self.page, rollback, self.holes)
 
     def exact_crop(self, positions: int) -> bool:
         """`_StaticWindowed.exact_crop` (its history is the source's storage, read in place: whether the source's cut is
