@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 
 from hf_loopcache.attention import AttentionInputs, VPrecision
 from hf_loopcache.cache.layers import CodedLayer, DenseLayer, LoopLayerBase, SharedLayer
-from hf_loopcache.cache.layers.static import StaticDenseLayer, dense_read, static_mask
+from hf_loopcache.cache.layers.static import StaticDenseLayer, static_mask
 from hf_loopcache.cache.layers.static_coded import FlushGroup, StaticCodedLayer, StaticCodedSharedLayer
 from hf_loopcache.cache.plan import CachePlan
 from hf_loopcache.cache.pytree import register_loop_cache_pytree
@@ -155,6 +155,8 @@ class LoopCache(Cache):
                 layers[self.layout.flat_index(cell)] = self._make_layer(cell, source)
         super().__init__(layers=list(layers))
         self.cells: list[LoopLayerBase] = layers  # the same objects as `self.layers`, typed
+        # a dense cell whose read rule stands for every dense cell's in a captured step's key (`_step_mode`)
+        self._dense_cell = next((layer for layer in layers if isinstance(layer, StaticDenseLayer)), None)
         coded = [layer for layer in layers if isinstance(layer, StaticCodedLayer)]
         if coded:  # a complete forward flushes them in one launch per code format
             group = FlushGroup(coded)
@@ -496,10 +498,12 @@ class LoopCache(Cache):
     def _step_mode(self, query_length: int, cuda: bool) -> tuple[bool, str]:
         """What a static cache's forward of `query_length` new tokens reads by, besides shapes and addresses, from host
         state a captured step fixes: whether it runs as a self-speculative decode's (`speculating`) and which read its
-        dense cells run (`layers.static.dense_read`: with `"auto"`, the kernel or cuDNN by how full the storage is).
+        dense cells run (`StaticDenseLayer.read_kind_at`, asked of one of them: with `"auto"`, the kernel or cuDNN by
+        how full the storage is; every dense cell of a cache has the same storage; `"none"` without dense cells).
         `DecodeGraphs` keys a captured step by it."""
-        length = self.get_seq_length()
-        return self._speculating, dense_read(StaticDenseLayer.read_method, length, query_length, self.max_cache_len, cuda)
+        if self._dense_cell is None:
+            return self._speculating, "none"
+        return self._speculating, self._dense_cell.read_kind_at(self.get_seq_length(), query_length, cuda)
 
     def captured_steps(self) -> list[dict[str, Any]]:
         """The steps captured for this static cache (`generate`'s decode steps, self-speculation's drafts and

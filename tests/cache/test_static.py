@@ -232,6 +232,10 @@ def test_auto_dense_read_follows_how_full_the_storage_is(monkeypatch):
     monkeypatch.setattr(static, "dense_read", lambda *args: seen.append(args) or "sdpa")
     model(ids[:, :1], cache=cache, use_cache=True)
     assert {args[1:4] for args in seen} == {(9, 1, 15)}  # every dense cell: held before, new tokens, storage
+    seen.clear()
+    assert cache._step_mode(1, cuda=True) == (False, "sdpa") and seen == [("auto", 10, 1, 15, True)]  # asks a cell
+    coded = build_cache(model, "loopkv:kivi4", static=True, max_batch_size=3, max_cache_len=15, group_size=8)
+    assert coded._step_mode(1, cuda=True) == (False, "none")  # no dense cell: one mode whatever the length
 
 
 @pytest.mark.parametrize("arch", ARCHS)

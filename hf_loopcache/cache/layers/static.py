@@ -47,7 +47,8 @@ LIVE_READ_SHARE = 2 / 3
 def dense_read(method: str, length: int, query_length: int, capacity: int, cuda: bool) -> str:
     """The read a static dense cell of `capacity` positions holding `length` runs for `query_length` new tokens under
     `read_method` `method`: `"auto"` is `"kernel"` on CUDA while `length + query_length <= LIVE_READ_SHARE *
-    capacity`, else `"sdpa"`; other methods are themselves. A captured step is keyed by it (`LoopCache._step_mode`)."""
+    capacity`, else `"sdpa"`; other methods are themselves. A captured step is keyed by it (`LoopCache._step_mode`,
+    through `StaticDenseLayer.read_kind_at`)."""
     if method != "auto":
         return method
     return "kernel" if cuda and length + query_length <= LIVE_READ_SHARE * capacity else "sdpa"
@@ -281,10 +282,15 @@ class StaticDenseLayer(_StaticStorage):
         return self.read_storage(query, key, value, read, positions)
 
     def read_kind(self, read: ReadState, query_length: int, cuda: bool) -> str:
-        """The read `read_storage` runs for `query_length` new tokens: `dense_read` of `read_method` at the positions
-        held before the forward (the forward's host length, `ReadState.length`; else this cell's, less the new tokens
-        it has written before it reads)."""
+        """The read `read_storage` runs for `query_length` new tokens: `read_kind_at` the positions held before the
+        forward (the forward's host length, `ReadState.length`; else this cell's, less the new tokens it has written
+        before it reads)."""
         length = read.length if read.length is not None else self.length - query_length
+        return self.read_kind_at(length, query_length, cuda)
+
+    def read_kind_at(self, length: int, query_length: int, cuda: bool) -> str:
+        """`dense_read` of `read_method` for `query_length` new tokens after `length` held, in this cell's storage (a
+        captured step's key asks it too: `LoopCache._step_mode`)."""
         return dense_read(self.read_method, length, query_length, self.max_positions, cuda)
 
     def read_storage(self, query, key, value, read, positions):
