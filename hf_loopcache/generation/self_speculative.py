@@ -515,18 +515,6 @@ def _captures_speculation(cache: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- validation
-def _block_rule(
-    model: Any, block_size: Any, max_block_size: Any, draft_cost_ratio: Any, draft_loops: int, verify_loops: int
-) -> tuple[int, AdaptiveBlockSize | None]:
-    """`(largest block, rule)`: `block_size` and no rule for an int; for `"auto"`, `max_block_size` and the
-    `AdaptiveBlockSize` at `draft_cost_ratio` (default: `layer_cost_ratio` of the model's layout)."""
-    if block_size != "auto":
-        return block_size, None
-    if draft_cost_ratio is None:
-        draft_cost_ratio = layer_cost_ratio(model.loop_layout, draft_loops, verify_loops)
-    return max_block_size, AdaptiveBlockSize(draft_cost_ratio, max_block_size)
-
-
 def _check_args(
     model: Any,
     cache: Any,
@@ -536,7 +524,10 @@ def _check_args(
     verify_loops: int,
     max_block_size: Any = 8,
     draft_cost_ratio: Any = None,
-):
+) -> tuple[int, AdaptiveBlockSize | None]:
+    """Refuse what the decoder cannot take; return `(largest block, rule)`: `block_size` and no rule for an int, and
+    for `"auto"` `max_block_size` and the `AdaptiveBlockSize` at `draft_cost_ratio` (default: `layer_cost_ratio` of
+    the model's layout)."""
     if not hasattr(model, "draft_kwargs") or not hasattr(model, "loop_layout"):
         raise TypeError(
             f"self-speculative decoding needs a native looped model (hf_loopcache OuroForCausalLM or "
@@ -564,7 +555,6 @@ def _check_args(
             or draft_cost_ratio <= 0
         ):
             raise ValueError(f"`draft_cost_ratio` must be None or a positive number, got {draft_cost_ratio!r}")
-        block_size = max_block_size  # the largest block: what the window must cover
     elif isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
         raise ValueError(
             f"`block_size` must be a non-negative int (draft tokens per verification; 0 decodes sequentially) or "
@@ -579,13 +569,19 @@ def _check_args(
             f"the cache holds {cache.layout.num_loops} loops but verification runs {verify_loops}; build the cache "
             f"with `num_loops={verify_loops}`"
         )
+    largest = max_block_size if block_size == "auto" else block_size  # what the window must cover
     window = cache.plan.window if any(o != "bf16" for o in cache.plan.options.values()) else None
-    if window is not None and window < block_size:
+    if window is not None and window < largest:
         logger.warning_once(
-            f"self-speculative decoding over a windowed cache with window {window} < the largest block {block_size} is "
+            f"self-speculative decoding over a windowed cache with window {window} < the largest block {largest} is "
             f"approximate: verifying a block reads planes that sequential decoding would not (RIPE Proposition 1 "
             f"needs window >= block_size; the deepest-plane cache has window 0)."
         )
+    if block_size != "auto":
+        return block_size, None
+    if draft_cost_ratio is None:
+        draft_cost_ratio = layer_cost_ratio(model.loop_layout, draft_loops, verify_loops)
+    return max_block_size, AdaptiveBlockSize(draft_cost_ratio, max_block_size)
 
 
 def _verify_loops(model: Any, forward_kwargs: dict[str, Any]) -> int:
@@ -679,10 +675,9 @@ def self_speculative(
     for name in ("position_ids", "use_cache", "logits_to_keep", "cache_position", "return_dict"):
         model_kwargs.pop(name, None)
     verify_loops = _verify_loops(model, model_kwargs)
-    _check_args(
+    block_size, block_rule = _check_args(
         model, cache, draft_loops, block_size, forced_acceptance, verify_loops, max_block_size, draft_cost_ratio
     )
-    block_size, block_rule = _block_rule(model, block_size, max_block_size, draft_cost_ratio, draft_loops, verify_loops)
     pad = generation_config._pad_token_tensor
     sequences = _speculative_decode(
         model,
@@ -763,10 +758,9 @@ def self_speculative_generate(
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError(f"a streamer is supported at batch size 1 only, got batch size {input_ids.shape[0]}")
     verify_loops = _verify_loops(model, model_kwargs)
-    _check_args(
+    block_size, block_rule = _check_args(
         model, cache, draft_loops, block_size, forced_acceptance, verify_loops, max_block_size, draft_cost_ratio
     )
-    block_size, block_rule = _block_rule(model, block_size, max_block_size, draft_cost_ratio, draft_loops, verify_loops)
     # as `generate` does: empty cells allocate `max_new_tokens` positions past the prompt at their first write, so
     # that at batch 1 no cell regrows (copying its history) mid-decoding (the decoder shortens the last blocks; in a
     # batch, holes can take the cache past that, and it grows as usual)

@@ -28,17 +28,31 @@ if TYPE_CHECKING:
 __all__ = ["AdaptiveBlockSize", "best_block_size", "expected_block_tokens", "expected_speedup", "layer_cost_ratio"]
 
 
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rate(name: str, value: Any) -> None:
+    if not _real(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"`{name}` must be a number in [0, 1], got {value!r}")
+
+
+def _check_positive(name: str, value: Any, what: str = "") -> None:
+    if not _real(value) or not value > 0.0:
+        raise ValueError(f"`{name}` must be a positive number{what}, got {value!r}")
+
+
+def _check_max_block_size(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`max_block_size` must be a positive int, got {value!r}")
+
+
 def _check(acceptance: float, block_size: int | None = None, cost_ratio: float | None = None) -> None:
-    if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0.0 <= acceptance <= 1.0:
-        raise ValueError(f"`acceptance` must be a number in [0, 1], got {acceptance!r}")
+    _check_rate("acceptance", acceptance)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0):
         raise ValueError(f"`block_size` must be a non-negative int (draft tokens per verification), got {block_size!r}")
-    if cost_ratio is not None and (
-        isinstance(cost_ratio, bool) or not isinstance(cost_ratio, (int, float)) or not cost_ratio > 0.0
-    ):
-        raise ValueError(
-            f"`cost_ratio` must be a positive number (a draft forward over a full step), got {cost_ratio!r}"
-        )
+    if cost_ratio is not None:
+        _check_positive("cost_ratio", cost_ratio, " (a draft forward over a full step)")
 
 
 def expected_block_tokens(acceptance: float, block_size: int) -> float:
@@ -54,8 +68,7 @@ def expected_speedup(acceptance: float, block_size: int, cost_ratio: float, over
     """RIPE Eq. (8): speed-up over sequential decoding, `tau(alpha, gamma) / (eta (gamma c + 1))`, with `cost_ratio`
     `c` a draft forward's cost over a full-depth step's and `overhead` `eta` (1: a verification costs one step)."""
     _check(acceptance, block_size, cost_ratio)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not overhead > 0.0:
-        raise ValueError(f"`overhead` must be a positive number, got {overhead!r}")
+    _check_positive("overhead", overhead)
     return expected_block_tokens(acceptance, block_size) / (overhead * (block_size * cost_ratio + 1.0))
 
 
@@ -65,8 +78,7 @@ def best_block_size(acceptance: float, cost_ratio: float, max_block_size: int = 
     numbers (4 of 32 steps, c = 20 / 132) 5 for the full cache's acceptance 0.81 and beyond 8 for the deepest
     plane's 0.93 (RIPE Fig. 5b)."""
     _check(acceptance, None, cost_ratio)
-    if isinstance(max_block_size, bool) or not isinstance(max_block_size, int) or max_block_size < 1:
-        raise ValueError(f"`max_block_size` must be a positive int, got {max_block_size!r}")
+    _check_max_block_size(max_block_size)
     gains = [expected_speedup(acceptance, g, cost_ratio) for g in range(1, max_block_size + 1)]
     return 1 + gains.index(max(gains))
 
@@ -107,17 +119,10 @@ class AdaptiveBlockSize:
     def __init__(
         self, cost_ratio: float, max_block_size: int, prior_acceptance: float = 0.8, prior_tokens: float = 8.0
     ) -> None:
-        _check(0.0, None, cost_ratio)
-        if (
-            isinstance(prior_acceptance, bool)
-            or not isinstance(prior_acceptance, (int, float))
-            or not (0.0 <= prior_acceptance <= 1.0)
-        ):
-            raise ValueError(f"`prior_acceptance` must be a number in [0, 1], got {prior_acceptance!r}")
-        if isinstance(max_block_size, bool) or not isinstance(max_block_size, int) or max_block_size < 1:
-            raise ValueError(f"`max_block_size` must be a positive int, got {max_block_size!r}")
-        if isinstance(prior_tokens, bool) or not isinstance(prior_tokens, (int, float)) or not prior_tokens > 0:
-            raise ValueError(f"`prior_tokens` must be a positive number, got {prior_tokens!r}")
+        _check_positive("cost_ratio", cost_ratio, " (a draft forward over a full step)")
+        _check_rate("prior_acceptance", prior_acceptance)
+        _check_max_block_size(max_block_size)
+        _check_positive("prior_tokens", prior_tokens)
         self.cost_ratio = float(cost_ratio)
         self.max_block_size = max_block_size
         self.prior_acceptance = float(prior_acceptance)
