@@ -784,13 +784,13 @@ def _sync(device: str) -> None:
 def plot_blocks(rows: list[dict[str, Any]], path: Path, gpu: str | None = None) -> None:
     """Measured speed-up (solid) and Eq. (8) at the row's measured alpha and c (dashed) against the block size, one
     panel per batch, one line per cache and `--row1-tuning` (`tuning`); of two rows of one line and block size the
-    later one."""
+    later one. `block_size="auto"` rows (no one block size) are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("block_rule") != "auto"]
     batches = sorted({r["batch"] for r in ok})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
     for ax, batch in zip(axes[0], batches):
@@ -827,12 +827,14 @@ def replot(paths: list[str], out: str) -> None:
         tuned = ", ".join(f"{k}={v}" for k, v in (env.get("row1_tuning") or {}).items())
         rows += [{**r, "tuning": tuned} for r in data["rows"]]
         gpus.add(env.get("gpu_name") or "")
-    several = len({r.get("block_size") for r in rows if r.get("status") == "ok"}) > 1
+    # (a `block_size="auto"` row's block size is its largest: it is plotted against Eq. (8) at its best block)
+    several = len({r.get("block_size") for r in rows if r.get("status") == "ok" and r.get("block_rule") != "auto"}) > 1
     png, gpu = RESULTS / f"{out}.png", ", ".join(sorted(g for g in gpus if g)) or None
     if several:
         plot_blocks(rows, png, gpu)
     for r in rows:
-        parts = [f"gamma {r['block_size']}" if several and r.get("status") == "ok" else "", r.pop("tuning")]
+        fixed = several and r.get("status") == "ok" and r.get("block_rule") != "auto"
+        parts = [f"gamma {r['block_size']}" if fixed else "", r.pop("tuning")]
         if any(parts):
             r["label"] = ", ".join(p for p in parts if p)
     if not several:

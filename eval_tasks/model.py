@@ -12,8 +12,8 @@ that is neither an HFLM argument nor a field of the model's config is refused):
 | `cache`                  | `hf_loopcache.build_cache` spec: `full` (default), `ripe`, `deepest`, `loopkv:<preset>`, a plan folder, a Hub id |
 | `window`, `sink`, `tau`, `page_size`, `group_size`, `max_rollback`, `plan_revision` | the spec's options (`cache=ripe,window=64`; `v_precision_blocks`: True or left out, not False) |
 | `num_loops`              | loops of every forward (Ouro `num_loops`, Huginn `num_steps`) and of the cache           |
-| `draft_loops`, `block_size` | self-speculative decoding (`hf_loopcache.self_speculative`) for `generate_until`       |
-| `max_block_size`         | with `block_size=auto` (each block at RIPE Eq. 8's best for the acceptance seen): the largest |
+| `draft_loops`, `block_size` | self-speculative decoding (`hf_loopcache.self_speculative`) for `generate_until`; `block_size` an int or `auto` (the default) |
+| `max_block_size`         | with `block_size=auto` (each block at RIPE Eq. 8's best for the acceptance seen): the largest (default 4) |
 | `max_gen_toks`           | new tokens for tasks that set none (default 1024; HFLM's 256 cuts GSM8K / MATH reasoning) |
 | `allow_short_generation` | let GSM8K / MATH tasks generate fewer than 512 new tokens                               |
 
@@ -97,8 +97,12 @@ class LoopCacheLM(HFLM):
         self.allow_short_generation = bool(kwargs.pop("allow_short_generation", False))
         self.num_loops = None if num_loops is None else _positive_int("num_loops", num_loops)
         self.speculative: dict[str, Any] = {}
-        if max_block_size is not None and block_size != "auto":
-            raise ValueError(f"model_args `max_block_size` needs `block_size=auto`, got block_size={block_size!r}")
+        if max_block_size is not None and block_size not in (None, "auto"):
+            raise ValueError(
+                f"model_args `max_block_size` needs `block_size=auto` (the default), got block_size={block_size!r}"
+            )
+        if max_block_size is not None and draft_loops is None and block_size is None:
+            raise ValueError("model_args `max_block_size` is for self-speculative decoding: pass `draft_loops` too")
         if draft_loops is not None or block_size is not None:
             strategy = getattr(hf_loopcache, "self_speculative", None)
             if strategy is None:
@@ -111,12 +115,12 @@ class LoopCacheLM(HFLM):
                 self.speculative["draft_loops"] = _positive_int("draft_loops", draft_loops)
             if block_size == "auto":
                 self.speculative["block_size"] = "auto"
-                if max_block_size is not None:
-                    self.speculative["max_block_size"] = _positive_int("max_block_size", max_block_size)
             elif block_size is not None:
                 if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
                     raise ValueError(f"model_args `block_size` must be a positive int or auto, got {block_size!r}")
                 self.speculative["block_size"] = block_size
+            if max_block_size is not None:  # (with `auto`, or the default block size: `auto`)
+                self.speculative["max_block_size"] = _positive_int("max_block_size", max_block_size)
         allowed = cache_options(self.cache_spec)  # checks the spec's grammar before any weights load
         if "num_loops" in allowed and self.num_loops is not None:
             self.cache_options.setdefault("num_loops", self.num_loops)

@@ -224,6 +224,21 @@ def test_replot_joins_result_files_by_block_size(tmp_path, monkeypatch, capsys):
     assert "| full, gamma 2 | 8 |" in table and "| full, gamma 4 | 8 |" in table
     assert "| loopkv-kivi4-share, gamma 2, mma_rows_min=3 | 8 |" in table and "1.13x (0.94 / 1.03)" in table
     assert (tmp_path / "joined.png").stat().st_size > 0
+    # `block_size="auto"` rows of different largest blocks have no one block size: measured against Eq. (8) at their
+    # best block (`plot`), not placed on the block-size axis, and not labelled with a fixed gamma
+    drawn = []
+    monkeypatch.setattr(bench, "plot", lambda rows, *a: drawn.append(("plot", len(rows))))
+    monkeypatch.setattr(bench, "plot_blocks", lambda rows, *a: drawn.append(("blocks", len(rows))))
+    auto = [
+        {**row("full", largest, 1.2), "block_rule": "auto", "max_block_size": largest, "gamma_eq8_best": 2,
+         "block_sizes": {"2": 9, "1": 1}}
+        for largest in (4, 8)
+    ]  # fmt: skip
+    (tmp_path / "auto.json").write_text(json.dumps({"environment": {}, "rows": auto}))
+    bench.main(["--replot", str(tmp_path / "auto.json"), "--out", "auto"])
+    table = capsys.readouterr().out
+    assert drawn == [("plot", 2)] and "gamma 4" not in table and "gamma 8" not in table
+    assert "| full, auto up to 4 (blocks 2: 9, 1: 1; Eq. 8's best 2) | 8 |" in table
 
 
 def test_auto_block_rows_predict_at_eq8s_best_block(tmp_path, monkeypatch, capsys):

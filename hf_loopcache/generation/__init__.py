@@ -2,7 +2,12 @@
 RIPE's Eq. (7) / (8) for what it should gain and the block size that gains most."""
 
 from hf_loopcache.generation.acceptance import greedy_accept, sample_from_uniform, speculative_accept
-from hf_loopcache.generation.self_speculative import SpeculativeStats, self_speculative, self_speculative_generate
+from hf_loopcache.generation.self_speculative import (
+    DEFAULT_MAX_BLOCK_SIZE,
+    SpeculativeStats,
+    self_speculative,
+    self_speculative_generate,
+)
 from hf_loopcache.generation.speedup import (
     AdaptiveBlockSize,
     best_block_size,
@@ -12,6 +17,7 @@ from hf_loopcache.generation.speedup import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_BLOCK_SIZE",
     "AdaptiveBlockSize",
     "SpeculativeStats",
     "best_block_size",

@@ -49,7 +49,13 @@ from hf_loopcache.generation.speedup import AdaptiveBlockSize, layer_cost_ratio
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["SpeculativeStats", "self_speculative", "self_speculative_generate"]
+__all__ = ["DEFAULT_MAX_BLOCK_SIZE", "SpeculativeStats", "self_speculative", "self_speculative_generate"]
+
+DEFAULT_MAX_BLOCK_SIZE = 4
+"""The largest block `block_size="auto"` (the default) takes unless `max_block_size` says otherwise: the rollback
+reserve the fixed default of 4 had, so a cache's memory is what it was (a batch's rings grow with the reserve). On an
+H100 (`benchmarks/results/selfspec_h100_graph_s40_auto_ouro.json`, Ouro-1.4B's shape, every cache, batch 1 and 8)
+`auto` up to 4 ran 0.92-0.97 of Eq. (8) at its best block and faster than a fixed 4 in every row."""
 
 
 @dataclass
@@ -522,12 +528,12 @@ def _check_args(
     block_size: Any,
     forced_acceptance: Any,
     verify_loops: int,
-    max_block_size: Any = 8,
+    max_block_size: Any = None,
     draft_cost_ratio: Any = None,
 ) -> tuple[int, AdaptiveBlockSize | None]:
     """Refuse what the decoder cannot take; return `(largest block, rule)`: `block_size` and no rule for an int, and
-    for `"auto"` `max_block_size` and the `AdaptiveBlockSize` at `draft_cost_ratio` (default: `layer_cost_ratio` of
-    the model's layout)."""
+    for `"auto"` `max_block_size` (default `DEFAULT_MAX_BLOCK_SIZE`) and the `AdaptiveBlockSize` at
+    `draft_cost_ratio` (default: `layer_cost_ratio` of the model's layout)."""
     if not hasattr(model, "draft_kwargs") or not hasattr(model, "loop_layout"):
         raise TypeError(
             f"self-speculative decoding needs a native looped model (hf_loopcache OuroForCausalLM or "
@@ -544,6 +550,8 @@ def _check_args(
             f"got {draft_loops!r}"
         )
     if block_size == "auto":
+        if max_block_size is None:
+            max_block_size = DEFAULT_MAX_BLOCK_SIZE
         if isinstance(max_block_size, bool) or not isinstance(max_block_size, int) or max_block_size < 1:
             raise ValueError(
                 f"`max_block_size` must be a positive int (the largest block `block_size='auto'` takes), "
@@ -560,6 +568,13 @@ def _check_args(
             f"`block_size` must be a non-negative int (draft tokens per verification; 0 decodes sequentially) or "
             f"'auto', got {block_size!r}"
         )
+    else:
+        for name, value in (("max_block_size", max_block_size), ("draft_cost_ratio", draft_cost_ratio)):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` is for `block_size='auto'` (the default), got it with block_size={block_size!r}; "
+                    f"leave `{name}` out or pass block_size='auto'"
+                )
     if forced_acceptance is not None and not (
         isinstance(forced_acceptance, (int, float)) and 0.0 <= forced_acceptance <= 1.0
     ):
@@ -622,8 +637,8 @@ def self_speculative(
     synced_gpus: bool = False,
     streamer: Any = None,
     draft_loops: int | None = None,
-    block_size: int | str = 4,
-    max_block_size: int = 8,
+    block_size: int | str = "auto",
+    max_block_size: int | None = None,
     draft_cost_ratio: float | None = None,
     speculative_stats: SpeculativeStats | None = None,
     forced_acceptance: float | None = None,
@@ -640,11 +655,12 @@ def self_speculative(
 
     Args:
         draft_loops (`int`): `d`, loops (Ouro) or recurrent steps (Huginn) of a draft, `1 <= d < R`.
-        block_size (`int` or `"auto"`, *optional*, defaults to 4): `gamma`, draft tokens per verification (0:
-            sequential); `"auto"`: before each verification the size RIPE Eq. (8) favours at the acceptance seen so
-            far (`generation.AdaptiveBlockSize`), at most `max_block_size`.
-        max_block_size (`int`, *optional*, defaults to 8): with `block_size="auto"`, the largest block (the cache's
-            rollback reserve, and with RIPE the window exactness needs, follow it).
+        block_size (`int` or `"auto"`, *optional*, defaults to `"auto"`): `gamma`, draft tokens per verification
+            (0: sequential); `"auto"`: before each verification the size RIPE Eq. (8) favours at the acceptance seen
+            so far (`generation.AdaptiveBlockSize`), at most `max_block_size`.
+        max_block_size (`int`, *optional*, defaults to 4): with `block_size="auto"`, the largest block (the cache's
+            rollback reserve, and with RIPE the window exactness needs, follow it: a batch's rings grow with it;
+            Huginn-0125 gains up to 8 and beyond at batch 1). Refused with an int `block_size`.
         draft_cost_ratio (`float`, *optional*): with `block_size="auto"`, `c`, a draft forward's cost over a
             full-depth step's (default: `generation.layer_cost_ratio`, layer passes; a measured
             `SpeculativeStats.draft_cost_ratio` of an earlier run is closer on a given machine).
@@ -707,8 +723,8 @@ def self_speculative_generate(
     input_ids: torch.Tensor,
     *,
     draft_loops: int,
-    block_size: int | str = 4,
-    max_block_size: int = 8,
+    block_size: int | str = "auto",
+    max_block_size: int | None = None,
     draft_cost_ratio: float | None = None,
     max_new_tokens: int = 32,
     attention_mask: torch.Tensor | None = None,

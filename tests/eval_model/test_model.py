@@ -266,13 +266,20 @@ def test_self_speculative_options_reach_the_strategy(monkeypatch):
 
 def test_auto_block_size_reaches_the_strategy(monkeypatch):
     """`block_size=auto,max_block_size=N` reach `self_speculative` as given (RIPE's window covers the largest block:
-    the answers equal plain greedy); `max_block_size` without `auto`, or a block size that is neither, is refused."""
+    the answers equal plain greedy); `max_block_size` alone goes with the default block size (`auto`); with an int
+    block size, without self-speculation, or a block size that is neither, it is refused."""
     calls = _record_strategy(monkeypatch, ("draft_loops", "block_size", "max_block_size"))
     greedy = make_lm(cache="ripe", window=8).generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True)
     spec = make_lm(cache="ripe", window=8, draft_loops=2, block_size="auto", max_block_size=6)
     assert spec.generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True) == greedy
     assert calls and calls[0] == {"draft_loops": 2, "block_size": "auto", "max_block_size": 6}
-    with pytest.raises(ValueError, match="model_args `max_block_size` needs `block_size=auto`, got block_size=4"):
+    alone = make_lm(cache="ripe", window=8, draft_loops=2, max_block_size=5)
+    assert alone.generate_until(gen_requests(PROMPTS, max_gen_toks=8), disable_tqdm=True) == greedy
+    assert calls[-1] == {"draft_loops": 2, "block_size": None, "max_block_size": 5}  # the strategy's default: auto
+    needs_auto = r"model_args `max_block_size` needs `block_size=auto` \(the default\), got block_size=4"
+    with pytest.raises(ValueError, match=needs_auto):
         make_lm(draft_loops=2, block_size=4, max_block_size=6)
+    with pytest.raises(ValueError, match="model_args `max_block_size` is for self-speculative decoding: pass"):
+        make_lm(max_block_size=6)
     with pytest.raises(ValueError, match="model_args `block_size` must be a positive int or auto, got 'fast'"):
         make_lm(draft_loops=2, block_size="fast")

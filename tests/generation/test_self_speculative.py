@@ -20,6 +20,7 @@ from hf_loopcache import (
     self_speculative_generate,
 )
 from hf_loopcache.cache import loopkv_preset
+from hf_loopcache.generation import DEFAULT_MAX_BLOCK_SIZE
 from tests.helpers import call_kwargs, make_model
 
 _CACHES = {
@@ -403,6 +404,26 @@ def test_auto_block_size_follows_forced_acceptance():
         assert cache.max_rollback == 6
 
 
+@torch.no_grad()
+def test_the_default_block_size_is_auto_up_to_four():
+    """Without `block_size` the decoder takes the auto rule's blocks up to `DEFAULT_MAX_BLOCK_SIZE` (4, the reserve
+    the fixed default had): forced acceptance 1 settles on 4 and 0 on 1, through `generate` and the plain function;
+    `max_block_size` alone raises the cap."""
+    assert DEFAULT_MAX_BLOCK_SIZE == 4
+    model = make_model("ouro")
+    ids = torch.tensor([[5, 9, 17, 33, 12, 8, 40, 7]])
+    for forced, expect in ((1.0, 4), (0.0, 1)):
+        stats, cache = SpeculativeStats(), FullLoopCache(model)
+        model.generate(ids, past_key_values=cache, custom_generate=self_speculative, draft_loops=1, max_new_tokens=60,
+                       min_new_tokens=60, pad_token_id=0, speculative_stats=stats, forced_acceptance=forced)  # fmt: skip
+        assert max(stats.block_sizes, key=stats.block_sizes.get) == expect and max(stats.block_sizes) <= 4
+        assert cache.max_rollback == 4
+    stats = SpeculativeStats()
+    self_speculative_generate(model, ids, draft_loops=1, max_block_size=7, max_new_tokens=60, speculative_stats=stats,
+                              forced_acceptance=1.0)  # fmt: skip
+    assert max(stats.block_sizes, key=stats.block_sizes.get) == 7
+
+
 def test_auto_block_size_arguments_are_refused_by_name():
     model = make_model("ouro")
     ids = torch.tensor([[5, 9, 17]])
@@ -413,3 +434,9 @@ def test_auto_block_size_arguments_are_refused_by_name():
         model.generate(ids, block_size="auto", max_block_size=0, **base)
     with pytest.raises(ValueError, match="`draft_cost_ratio` must be None or a positive number, got -1"):
         self_speculative_generate(model, ids, draft_loops=1, block_size="auto", draft_cost_ratio=-1)
+    # the auto rule's options with a fixed block size would be ignored: refused by name
+    for_auto = r"`max_block_size` is for `block_size='auto'` \(the default\), got it with block_size=3"
+    with pytest.raises(ValueError, match=for_auto):
+        model.generate(ids, block_size=3, max_block_size=6, **base)
+    with pytest.raises(ValueError, match="`draft_cost_ratio` is for `block_size='auto'`"):
+        self_speculative_generate(model, ids, draft_loops=1, block_size=2, draft_cost_ratio=0.5)
