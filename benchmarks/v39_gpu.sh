@@ -6,19 +6,14 @@
 # cache, batch 8 then 1) against sequential decoding through the same captured steps (batch 1 with the one-row
 # rings), then Huginn-0125's shape at batch 1, up to 8, LoopKV kivi4-share (one-row rings) and the full cache.
 # Call 1 ran (H100; the tests were cut by the 540 s timeout after 177 results, none failed); call 2 found no
-# machine in five tries and is left for the next session.
+# machine in five tries and ran in session 40 as `benchmarks/v40_gpu.sh 1` (the same steps; this call runs that one).
 set -u
 . benchmarks/gpu_calls.sh
-S="python3 -W ignore -m benchmarks.bench_selfspec --mode graph --no-probe --budget-s 900"
 if [ "${1:-1}" = 1 ]; then
   start s39a ${BUDGET:-560}
   run 540 tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/generation/test_selfspec_graphs.py \
     tests/ops/test_coded_attention_static.py tests/cache/test_static_loopkv.py tests/ops/test_coded_attention_kernels.py
 elif [ "${1:-1}" = 2 ]; then
-  start s39b ${BUDGET:-570}
-  run 300 ss_ouro_auto $S --auto-block --shapes ouro-1.4b --new-tokens 256 --block-size 4 --batches 8 1 \
-    --caches full deepest ripe64 loopkv-kivi4-share --out /tmp/s39b/ss_ouro_auto4
-  run 250 ss_huginn_auto $S --auto-block --shapes huginn-0125 --new-tokens 192 --block-size 8 --batches 1 \
-    --caches loopkv-kivi4-share full --out /tmp/s39b/ss_huginn_auto8_b1
+  exec bash benchmarks/v40_gpu.sh 1
 fi
 finish

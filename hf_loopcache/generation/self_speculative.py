@@ -45,7 +45,7 @@ from transformers.utils import logging
 
 from hf_loopcache._compat import CACHE_KWARG, OUTPUT_CACHE_FIELD
 from hf_loopcache.generation.acceptance import greedy_accept, sample_from_uniform, speculative_accept
-from hf_loopcache.generation.speedup import AdaptiveBlockSize, layer_cost_ratio
+from hf_loopcache.generation.speedup import AdaptiveBlockSize, _check_max_block_size, layer_cost_ratio
 
 logger = logging.get_logger(__name__)
 
@@ -552,11 +552,7 @@ def _check_args(
     if block_size == "auto":
         if max_block_size is None:
             max_block_size = DEFAULT_MAX_BLOCK_SIZE
-        if isinstance(max_block_size, bool) or not isinstance(max_block_size, int) or max_block_size < 1:
-            raise ValueError(
-                f"`max_block_size` must be a positive int (the largest block `block_size='auto'` takes), "
-                f"got {max_block_size!r}"
-            )
+        _check_max_block_size(max_block_size, " (the largest block `block_size='auto'` takes)")
         if draft_cost_ratio is not None and (
             isinstance(draft_cost_ratio, bool)
             or not isinstance(draft_cost_ratio, (int, float))

@@ -42,9 +42,9 @@ def _check_positive(name: str, value: Any, what: str = "") -> None:
         raise ValueError(f"`{name}` must be a positive number{what}, got {value!r}")
 
 
-def _check_max_block_size(value: Any) -> None:
+def _check_max_block_size(value: Any, what: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`max_block_size` must be a positive int, got {value!r}")
+        raise ValueError(f"`max_block_size` must be a positive int{what}, got {value!r}")
 
 
 def _check(acceptance: float, block_size: int | None = None, cost_ratio: float | None = None) -> None:
